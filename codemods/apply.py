@@ -1,0 +1,97 @@
+"""`python -m codemods.apply modeling_x.py`: generate the native vLLM file for one model.
+
+Follows black's conventions: `--check` writes nothing and exits 1 when the file on disk
+would change, `--diff` prints the unified diff and writes nothing. Exit 2, with one line
+on stderr, when the input cannot be turned into a correct model; nothing is written then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from .emit import emit_body
+from .errors import CodemodError
+from .plan import ModelPlan, plan
+from .render import render
+from .source import load
+from .structure import analyse
+
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "generated"
+
+
+def generate(name: str) -> tuple[ModelPlan, str]:
+    """The plan and the full text of the generated file for one modeling file."""
+    model_plan = plan(analyse(load(name)))
+    return model_plan, render(model_plan, emit_body(model_plan))
+
+
+def output_path(model_plan: ModelPlan, out_dir: Path) -> Path:
+    return out_dir / f"{model_plan.structure.source.model_type}.py"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file in the same folder, so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def unified_diff(old: str, new: str, path: Path) -> str:
+    return "".join(
+        difflib.unified_diff(
+            old.splitlines(keepends=True), new.splitlines(keepends=True), f"a/{path.name}", f"b/{path.name}"
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m codemods.apply", description=__doc__.splitlines()[0])
+    parser.add_argument("source", help="modeling_<type>.py: a bare name (installed transformers) or a path")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: generated/)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="write nothing; exit 1 if the file would change")
+    mode.add_argument("--diff", action="store_true", help="print the unified diff; write nothing")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no fusion report")
+    args = parser.parse_args(argv)
+
+    try:
+        model_plan, text = generate(args.source)
+    except CodemodError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if not args.quiet:
+        for line in model_plan.report():
+            print(line, file=sys.stderr)
+
+    path = output_path(model_plan, args.out)
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    if args.diff:
+        sys.stdout.write(unified_diff(old, text, path))
+        return 0
+    if args.check:
+        if old != text:
+            print(f"would regenerate {path}", file=sys.stderr)
+            return 1
+        print(f"{path} is current", file=sys.stderr)
+        return 0
+    if old == text:
+        print(f"unchanged {path}", file=sys.stderr)
+        return 0
+    write_atomic(path, text)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

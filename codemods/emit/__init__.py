@@ -1,0 +1,73 @@
+"""Stage 4: emit the vLLM model file from a plan (class by class, in source order)."""
+
+from __future__ import annotations
+
+import re
+
+from ..plan import ModelPlan
+from . import attention, mlp, model
+
+# (module, names): only the names the emitted classes use are imported.
+IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("collections.abc", ("Iterable",)),
+    ("itertools", ("islice",)),
+    ("torch", ("nn",)),
+    ("vllm.compilation.decorators", ("support_torch_compile",)),
+    ("vllm.config", ("CacheConfig", "VllmConfig")),
+    ("vllm.distributed", ("get_pp_group", "get_tensor_model_parallel_world_size")),
+    ("vllm.model_executor.layers.activation", ("get_act_and_mul_fn",)),
+    ("vllm.model_executor.layers.attention", ("Attention",)),
+    ("vllm.model_executor.layers.layernorm", ("GemmaRMSNorm", "RMSNorm")),
+    (
+        "vllm.model_executor.layers.linear",
+        ("MergedColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear"),
+    ),
+    ("vllm.model_executor.layers.logits_processor", ("LogitsProcessor",)),
+    ("vllm.model_executor.layers.quantization", ("QuantizationConfig",)),
+    ("vllm.model_executor.layers.rotary_embedding", ("get_rope",)),
+    (
+        "vllm.model_executor.layers.vocab_parallel_embedding",
+        ("ParallelLMHead", "VocabParallelEmbedding"),
+    ),
+    ("vllm.model_executor.models.interfaces", ("SupportsLoRA", "SupportsPP", "SupportsQuant")),
+    (
+        "vllm.model_executor.models.utils",
+        (
+            "AutoWeightsLoader",
+            "PPMissingLayer",
+            "WeightsMapper",
+            "extract_layer_index",
+            "make_empty_intermediate_tensors_factory",
+            "make_layers",
+            "maybe_prefix",
+        ),
+    ),
+    ("vllm.sequence", ("IntermediateTensors",)),
+)
+
+
+def imports_for(body: str) -> str:
+    """Import lines for the names `body` uses, grouped stdlib / torch / vllm."""
+    groups: dict[str, list[str]] = {"std": [], "torch": ["import torch"], "vllm": []}
+    for module, names in IMPORTS:
+        used = [n for n in names if re.search(rf"\b{n}\b", body)]
+        if used:
+            group = module.split(".")[0] if module.split(".")[0] in groups else "std"
+            groups[group].append(f"from {module} import {', '.join(used)}")
+    return "\n\n".join("\n".join(lines) for lines in groups.values() if lines) + "\n"
+
+
+def emit_body(plan: ModelPlan) -> str:
+    """Everything below the header: imports and the five classes, unformatted."""
+    s = plan.structure
+    attn_info = s.classes[s.attention.class_name]
+    mlp_info = s.classes[s.mlp.class_name]
+    classes = [
+        mlp.emit(mlp_info, s.mlp),
+        attention.emit(attn_info, s.attention, s.norms, s.neox_rotary),
+        model.emit_layer(plan),
+        model.emit_model(plan),
+        model.emit_causal_lm(plan),
+    ]
+    body = "\n\n".join(classes)
+    return imports_for(body) + body

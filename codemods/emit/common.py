@@ -1,0 +1,85 @@
+"""Helpers shared by the emitters: source expressions, translated `__init__` bodies."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable
+
+import libcst as cst
+import libcst.matchers as m
+
+from fusion_patterns.base import ClassInfo, code
+from fusion_patterns.rms_norm import NormSpec
+
+from ..errors import CodemodError
+
+# Extra constructor arguments each kind of generated module takes, as vLLM's own do.
+ATTENTION_EXTRAS = ("cache_config", "quant_config", "prefix")
+MLP_EXTRAS = ("quant_config", "prefix")
+LAYER_EXTRAS = ("cache_config", "quant_config", "prefix")
+EXTRA_PARAMS = {
+    "cache_config": "cache_config: CacheConfig | None = None",
+    "quant_config": "quant_config: QuantizationConfig | None = None",
+    "prefix": 'prefix: str = ""',
+}
+
+# A translation of one `self.<attr> = ...` statement: the lines to emit in its place.
+Translate = Callable[[str, cst.BaseExpression], "list[str] | None"]
+
+
+def indent(lines: list[str], level: int = 2) -> str:
+    return textwrap.indent("\n".join(lines), "    " * level)
+
+
+def source_params(info: ClassInfo, drop: tuple[str, ...] = ()) -> list[str]:
+    """The class's `__init__` parameters after `self`, as written (annotations kept)."""
+    if info.init is None:
+        return []
+    params = info.init.params
+    if params.star_arg not in (cst.MaybeSentinel.DEFAULT, None) or params.star_kwarg or params.kwonly_params:
+        raise CodemodError(f"cannot generate: {info.name}.__init__ takes *args/**kwargs or keyword-only arguments")
+    # Annotations are dropped: they may name source-only imports (e.g. the config class).
+    kept = [p for p in params.params if p.name.value not in ("self", *drop)]
+    return [p.name.value + (f"={code(p.default)}" if p.default else "") for p in kept]
+
+
+def signature(info: ClassInfo, extras: tuple[str, ...], drop: tuple[str, ...] = ()) -> str:
+    return ", ".join(["self", *source_params(info, drop), *(EXTRA_PARAMS[e] for e in extras)])
+
+
+def with_extras(call: cst.Call, extras: tuple[str, ...], attr: str) -> str:
+    """`Cls(args)` -> `Cls(args, cache_config=cache_config, ..., prefix=f"{prefix}.<attr>")`."""
+    args = [code(a).rstrip(", ") for a in call.args]
+    for extra in extras:
+        args.append(f'prefix=f"{{prefix}}.{attr}"' if extra == "prefix" else f"{extra}={extra}")
+    return f"{code(call.func)}({', '.join(args)})"
+
+
+def norm_construction(spec: NormSpec, call: cst.Call) -> str:
+    size, eps = spec.bind(call)
+    eps_arg = f", eps={code(eps)}" if eps is not None else ""
+    return f"{spec.vllm_class}({code(size)}{eps_arg})"
+
+
+def translate_init(info: ClassInfo, translate: Translate, prologue: tuple[str, ...] = ()) -> list[str]:
+    """The source `__init__` body, statement by statement, with `self.<attr> = <value>`
+    statements replaced by what `translate` returns (None keeps the statement as is).
+    Docstrings are dropped; everything else is kept verbatim, so plain attributes the
+    source computes (head_dim, scaling, sliding window, ...) are computed the same way.
+    `prologue` lines go right after `super().__init__()`."""
+    out: list[str] = []
+    for stmt in info.init_statements():
+        if m.matches(stmt, m.SimpleStatementLine([m.Expr(m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")))))])):
+            out.append("super().__init__()")
+            out.extend(prologue)
+            continue
+        if m.matches(stmt, m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())])):
+            continue
+        if m.matches(stmt, m.SimpleStatementLine([m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))])])):
+            assign = stmt.body[0]
+            lines = translate(assign.targets[0].target.attr.value, assign.value)
+            if lines is not None:
+                out.extend(lines)
+                continue
+        out.extend(code(stmt).strip("\n").splitlines())
+    return out

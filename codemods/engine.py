@@ -1,0 +1,82 @@
+"""Run a checkpoint in real vLLM and report which class ran, tokens and logprobs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineResult:
+    impl: str  # "module:qualname" of the model class that actually ran
+    tokens: list[list[int]]
+    # per prompt: logprob of each actual next token, prompt positions 1.. then generated
+    logprobs: list[list[float]]
+
+
+def model_class_name(model) -> str:
+    """Module-level, so vLLM can ship it to worker processes."""
+    cls = type(model)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def set_cpu_env(tp: int, pp: int) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tp * pp == 1:
+        # engine and worker in this process: fast start, several engines per process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # for apply_model
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp * pp)))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+def run(model_dir: str, arch: str, prompts: list[list[int]], max_tokens: int, tp: int = 1, pp: int = 1) -> EngineResult:
+    set_cpu_env(tp, pp)
+    from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    kwargs = {}
+    if pp > 1:
+        # PP=2 with enforce_eager crashes in 0.32 on CPU (the warm-up that allocates the
+        # intermediate-tensor buffer is skipped); compile mode with the eager backend works.
+        kwargs = {"enforce_eager": False, "compilation_config": {"mode": 2, "backend": "eager"}}
+    else:
+        kwargs = {"enforce_eager": True}
+    llm = LLM(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        seed=0,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        hf_overrides={"architectures": [arch]},
+        **kwargs,
+    )
+    try:
+        impls = set(llm.apply_model(model_class_name))
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=max_tokens,
+            logprobs=1,
+            prompt_logprobs=1,
+            detokenize=False,
+            ignore_eos=True,
+        )
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens, logprobs = [], []
+        for prompt, out in zip(prompts, outs):
+            gen = list(out.outputs[0].token_ids)
+            seq = prompt + gen
+            row = [out.prompt_logprobs[i][seq[i]].logprob for i in range(1, len(prompt))]
+            row += [lp[tok].logprob for tok, lp in zip(gen, out.outputs[0].logprobs)]
+            tokens.append(gen)
+            logprobs.append(row)
+    finally:
+        del llm
+        cleanup_dist_env_and_memory()
+    if len(impls) != 1:
+        raise RuntimeError(f"ranks ran different classes: {sorted(impls)}")
+    return EngineResult(impls.pop(), tokens, logprobs)

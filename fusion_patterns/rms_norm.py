@@ -1,0 +1,126 @@
+"""RMSNorm classes -> vLLM `RMSNorm` (or `GemmaRMSNorm` for the `1 + w` form).
+
+Matched on the norm class's forward: mean of squares over the last dim, eps added inside
+`rsqrt`, a multiply by `self.weight` (or `1 + self.weight`) after casting back. The eps
+and weight-size arguments are read from the class's own `__init__` signature, so every
+construction site of the class can be translated argument by argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import libcst as cst
+import libcst.matchers as m
+
+from .base import ClassInfo, FusionRecord, PatternRefused, Refusal, dotted_name, self_attr
+
+NAME = "rms_norm"
+
+# variance = x.pow(2).mean(-1, keepdim=True)
+MEAN_OF_SQUARES = m.Call(
+    func=m.Attribute(
+        value=m.Call(func=m.Attribute(attr=m.Name("pow")), args=[m.Arg(m.Integer("2"))]),
+        attr=m.Name("mean"),
+    ),
+    args=[
+        m.Arg(m.UnaryOperation(operator=m.Minus(), expression=m.Integer("1"))),
+        m.Arg(keyword=m.Name("keepdim"), value=m.Name("True")),
+    ],
+)
+# torch.rsqrt(variance + self.<eps>): eps inside the root
+RSQRT_EPS = m.Call(
+    func=m.Attribute(value=m.Name("torch"), attr=m.Name("rsqrt")),
+    args=[m.Arg(m.BinaryOperation(operator=m.Add(), right=m.SaveMatchedNode(self_attr(), "eps")))],
+)
+UNIT_OFFSET_WEIGHT = m.BinaryOperation(
+    left=m.OneOf(m.Integer("1"), m.Float("1.0")),
+    operator=m.Add(),
+    right=m.OneOf(self_attr("weight"), m.Call(func=m.Attribute(value=self_attr("weight")))),
+)
+# return self.weight * x.to(input_dtype)   |   return x.to(dtype) * self.weight
+WEIGHT_AFTER_CAST = m.BinaryOperation(
+    operator=m.Multiply(),
+    left=m.OneOf(self_attr("weight"), m.Call(func=m.Attribute(attr=m.Name("to")))),
+    right=m.OneOf(self_attr("weight"), m.Call(func=m.Attribute(attr=m.Name("to")))),
+)
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    class_name: str
+    vllm_class: str  # "RMSNorm" | "GemmaRMSNorm"
+    size_param: str
+    eps_param: str
+    eps_default: cst.BaseExpression | None
+    params: tuple[str, ...]  # __init__ parameters after self, in order
+
+    def bind(self, call: cst.Call) -> tuple[cst.BaseExpression, cst.BaseExpression | None]:
+        """(hidden size, eps) of one construction `NormClass(...)` of this class."""
+        bound: dict[str, cst.BaseExpression] = {}
+        for i, arg in enumerate(call.args):
+            if arg.keyword is not None:
+                bound[arg.keyword.value] = arg.value
+            elif arg.star:
+                raise PatternRefused(f"{self.class_name}(*args) cannot be bound")
+            else:
+                bound[self.params[i]] = arg.value
+        if self.size_param not in bound:
+            raise PatternRefused(f"{self.class_name}(...) without its size")
+        return bound[self.size_param], bound.get(self.eps_param, self.eps_default)
+
+
+def _found(node: cst.CSTNode, matcher) -> list:
+    return m.findall(node, matcher)
+
+
+def match(info: ClassInfo) -> NormSpec | Refusal | None:
+    """A NormSpec when the class computes RMSNorm, a Refusal on a near miss, else None."""
+    if info.forward is None or info.init is None:
+        return None
+    if not _found(info.forward, MEAN_OF_SQUARES):
+        return None  # not a norm at all: nothing to report
+    try:
+        return _extract(info)
+    except PatternRefused as why:
+        return Refusal(NAME, info.name, info.name, str(why))
+
+
+def _extract(info: ClassInfo) -> NormSpec:
+    rsqrt = m.extractall(info.forward, RSQRT_EPS)
+    if not rsqrt:
+        raise PatternRefused("eps is not added inside the root (expected torch.rsqrt(variance + eps))")
+    eps_attr = rsqrt[0]["eps"].attr.value
+    unit_offset = bool(_found(info.forward, UNIT_OFFSET_WEIGHT))
+    if not unit_offset and not _found(info.forward, WEIGHT_AFTER_CAST):
+        raise PatternRefused("the weight is not applied as a multiply after the cast back")
+
+    params = [p for p in info.init.params.params if p.name.value != "self"]
+    names = tuple(p.name.value for p in params)
+    eps_value = info.attrs.get(eps_attr)
+    if not isinstance(eps_value, cst.Name) or eps_value.value not in names:
+        raise PatternRefused(f"self.{eps_attr} is not set from an __init__ argument")
+    weight = info.attrs.get("weight")
+    size = m.findall(weight, m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("ones") | m.Name("zeros")))) if weight else []
+    if not size or not isinstance(size[0].args[0].value, cst.Name):
+        raise PatternRefused("self.weight is not a parameter sized by an __init__ argument")
+    eps_param = eps_value.value
+    default = next((p.default for p in params if p.name.value == eps_param), None)
+    return NormSpec(
+        class_name=info.name,
+        vllm_class="GemmaRMSNorm" if unit_offset else "RMSNorm",
+        size_param=size[0].args[0].value.value,
+        eps_param=eps_param,
+        eps_default=default,
+        params=names,
+    )
+
+
+def record(spec: NormSpec, owner: str, attr: str) -> FusionRecord:
+    return FusionRecord(NAME, owner, (attr,), attr, spec.vllm_class)
+
+
+def is_norm_call(value: cst.BaseExpression, specs: dict[str, NormSpec]) -> NormSpec | None:
+    if isinstance(value, cst.Call):
+        return specs.get(dotted_name(value.func) or "")
+    return None
