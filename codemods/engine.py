@@ -32,19 +32,17 @@ def set_cpu_env(tp: int, pp: int) -> None:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
-def run(model_dir: str, arch: str, prompts: list[list[int]], max_tokens: int, tp: int = 1, pp: int = 1) -> EngineResult:
+def _llm(model_dir: str, arch: str, tp: int, pp: int, **extra):
     set_cpu_env(tp, pp)
-    from vllm import LLM, SamplingParams
-    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm import LLM
 
-    kwargs = {}
     if pp > 1:
         # PP=2 with enforce_eager crashes in 0.32 on CPU (the warm-up that allocates the
         # intermediate-tensor buffer is skipped); compile mode with the eager backend works.
         kwargs = {"enforce_eager": False, "compilation_config": {"mode": 2, "backend": "eager"}}
     else:
         kwargs = {"enforce_eager": True}
-    llm = LLM(
+    return LLM(
         model=model_dir,
         skip_tokenizer_init=True,
         dtype="float32",
@@ -54,7 +52,38 @@ def run(model_dir: str, arch: str, prompts: list[list[int]], max_tokens: int, tp
         pipeline_parallel_size=pp,
         hf_overrides={"architectures": [arch]},
         **kwargs,
+        **extra,
     )
+
+
+def prompt_logits(model_dir: str, arch: str, prompts: list[list[int]]) -> tuple[str, list]:
+    """(class that ran, raw logits [len(prompt) - 1, vocab] per prompt): every vocabulary
+    entry at every prompt position, from one real engine forward per prompt."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    llm = _llm(model_dir, arch, 1, 1, max_logprobs=-1, logprobs_mode="raw_logits")
+    try:
+        impl = llm.apply_model(model_class_name)[0]
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=-1, detokenize=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        logits = []
+        for out in outs:
+            rows = out.prompt_logprobs[1:]
+            vocab = len(rows[0])
+            logits.append(torch.tensor([[row[t].logprob for t in range(vocab)] for row in rows]))
+    finally:
+        del llm
+        cleanup_dist_env_and_memory()
+    return impl, logits
+
+
+def run(model_dir: str, arch: str, prompts: list[list[int]], max_tokens: int, tp: int = 1, pp: int = 1) -> EngineResult:
+    from vllm import SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    llm = _llm(model_dir, arch, tp, pp)
     try:
         impls = set(llm.apply_model(model_class_name))
         params = SamplingParams(

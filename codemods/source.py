@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import re
@@ -66,6 +67,10 @@ def load(name: str) -> ModelSource:
         text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise CodemodError(f"{name}: cannot read: {exc}") from None
+    try:
+        ast.parse(text, filename=str(path))
+    except SyntaxError as exc:
+        raise CodemodError(f"{path}:{exc.lineno}:{exc.offset}: syntax error: {exc.msg}") from None
     try:
         module = cst.parse_module(text)
     except cst.ParserSyntaxError as exc:

@@ -52,6 +52,13 @@ class ModelStructure:
     refusals: list[Refusal] = field(default_factory=list)
 
 
+def cannot_generate(refusals: list[Refusal], why: str) -> CodemodError:
+    """One line naming the refusal that stopped generation, latest first, then the rest
+    (an earlier refusal is often the cause: a norm class refused makes its users fail)."""
+    lines = [r.describe() for r in reversed(refusals)]
+    return CodemodError(f"cannot generate: {'; after '.join(lines)} ({why})")
+
+
 def class_infos(module: cst.Module) -> dict[str, ClassInfo]:
     out = {}
     for node in module.body:
@@ -115,7 +122,7 @@ def analyse(source: ModelSource) -> ModelStructure:
             result = pattern.match(info, *args)
             if isinstance(result, Refusal):
                 refusals.append(result)
-                raise CodemodError(f"cannot generate: {result.describe()} (no unfused form is emitted yet)")
+                raise cannot_generate(refusals, "no unfused form is emitted yet")
             if result is not None:
                 found[info.name] = result
 
@@ -150,7 +157,7 @@ def analyse(source: ModelSource) -> ModelStructure:
     layer_result = residual_norm.match(layer, set(_builders(layer, set(norms))))
     if isinstance(layer_result, Refusal):
         refusals.append(layer_result)
-        raise CodemodError(f"cannot generate: {layer_result.describe()} (no unfused layer form is emitted yet)")
+        raise cannot_generate(refusals, "no unfused layer form is emitted yet")
     mixers = {b.mixer for b in layer_result.blocks}
     if mixers != {attn_attr, mlp_attr}:
         raise CodemodError(f"cannot generate: {layer.name} blocks call {sorted(mixers)}, expected {attn_attr} and {mlp_attr}")

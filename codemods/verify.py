@@ -60,9 +60,7 @@ def prompts_for(vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def verify(target: str, tp: int = 1, pp: int = 1, overrides: dict | None = None) -> dict:
-    import torch
-
-    from . import engine, reference, tiny
+    from . import engine, reference, registration, tiny
 
     path = resolve_target(target)
     header = read_header(path)
@@ -70,13 +68,19 @@ def verify(target: str, tp: int = 1, pp: int = 1, overrides: dict | None = None)
     causal_cls = reference_class(header["source"].strip(), causal_name)
     config = tiny.tiny_config(causal_cls.config_class, overrides)
     result = {"arch": path.stem, "impl": None, "tp": tp, "pp": pp, "features": tiny.features_on(config)}
+    expected_module = f"generated.{path.stem}"
     with tempfile.TemporaryDirectory(prefix=f"verify-{path.stem}-") as tmp:
-        model = tiny.build_checkpoint(causal_cls, config, Path(tmp))
+        if path.resolve().parent != GENERATED:
+            plugin_dir = Path(tmp) / "plugin"
+            plugin_dir.mkdir()
+            arch, expected_module = registration.register_external(path, causal_name, plugin_dir)
+        ckpt = Path(tmp) / "checkpoint"
+        model = tiny.build_checkpoint(causal_cls, config, ckpt)
         model.config._attn_implementation = "eager"
         prompts = prompts_for(config.vocab_size)
         ref = reference.greedy_with_logprobs(model, prompts, MAX_TOKENS)
         del model
-        ran = engine.run(tmp, arch, prompts, MAX_TOKENS, tp=tp, pp=pp)
+        ran = engine.run(str(ckpt), arch, prompts, MAX_TOKENS, tp=tp, pp=pp)
 
     diffs, tokens_equal = [], True
     for prompt, (ref_tokens, ref_lp), tokens, lps in zip(prompts, ref, ran.tokens, ran.logprobs):
@@ -87,7 +91,7 @@ def verify(target: str, tp: int = 1, pp: int = 1, overrides: dict | None = None)
         n = len(prompt) - 1 + next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), len(tokens))
         diffs += [abs(a - b) for a, b in zip(want[: n + 1], lps[: n + 1])]
     max_diff = max(diffs) if diffs else float("inf")
-    generated_ran = ran.impl.startswith(f"generated.{path.stem}:")
+    generated_ran = ran.impl.startswith(f"{expected_module}:")
     result.update(
         impl=ran.impl,
         max_abs_logprob_diff=max_diff,
@@ -96,7 +100,6 @@ def verify(target: str, tp: int = 1, pp: int = 1, overrides: dict | None = None)
     )
     if not generated_ran:
         result["error"] = f"vLLM ran {ran.impl}, not the generated class"
-    del torch
     return result
 
 

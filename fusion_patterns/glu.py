@@ -20,8 +20,10 @@ from .qkv import merged_name
 NAME = "glu"
 VLLM_CLASS = "MergedColumnParallelLinear"
 
-_X = m.SaveMatchedNode(m.Name(), "x")
-_X2 = m.SaveMatchedNode(m.Name(), "x2")
+# Any argument is captured here and checked in `_extract`, so a near miss is refused
+# with its reason instead of silently not matching.
+_X = m.SaveMatchedNode(m.DoNotCare(), "x")
+_X2 = m.SaveMatchedNode(m.DoNotCare(), "x2")
 _GATED = self_call(m.SaveMatchedNode(m.Name(), "act"), self_call(m.SaveMatchedNode(m.Name(), "gate"), _X))
 _UP = self_call(m.SaveMatchedNode(m.Name(), "up"), _X2)
 GLU_CALL = self_call(
@@ -61,8 +63,9 @@ def match(info: ClassInfo) -> GLUSpec | Refusal | None:
 
 def _extract(info: ClassInfo, cap: dict) -> GLUSpec:
     gate, up, down, act = (cap[k].value for k in ("gate", "up", "down", "act"))
-    if cap["x"].value != cap["x2"].value:
-        raise PatternRefused(f"gate and up read different tensors ({cap['x'].value}, {cap['x2'].value})")
+    x, x2 = cap["x"], cap["x2"]
+    if not (isinstance(x, cst.Name) and isinstance(x2, cst.Name) and x.value == x2.value):
+        raise PatternRefused(f"gate and up read different tensors (`{code(x)}`, `{code(x2)}`)")
     for attr in (gate, up, down):
         if not is_linear(info, attr):
             raise PatternRefused(f"self.{attr} is not an nn.Linear")

@@ -1,0 +1,79 @@
+"""Shared fixtures: a tiny Qwen3 checkpoint, its transformers model, and an engine-free
+vLLM instance of the generated class loaded from the same safetensors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def run_cli(*args: str, cwd: Path = REPO, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="session")
+def qwen3_checkpoint(tmp_path_factory):
+    """(directory, transformers model) of a tiny random Qwen3 with its features on."""
+    from transformers import Qwen3ForCausalLM
+
+    from codemods import tiny
+
+    out = tmp_path_factory.mktemp("qwen3-tiny")
+    config = tiny.tiny_config(Qwen3ForCausalLM.config_class)
+    model = tiny.build_checkpoint(Qwen3ForCausalLM, config, out)
+    model.config._attn_implementation = "eager"
+    return out, model
+
+
+@pytest.fixture(scope="session")
+def vllm_engine_free(qwen3_checkpoint, tmp_path_factory):
+    """A vLLM config with a single-rank process group, for building models directly."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+
+    ckpt, _ = qwen3_checkpoint
+    cfg = EngineArgs(
+        model=str(ckpt),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        hf_overrides={"architectures": ["GeneratedQwen3ForCausalLM"]},
+    ).create_engine_config()
+    init_file = tmp_path_factory.mktemp("dist") / "init"
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{init_file}", backend="gloo"
+        )
+        initialize_model_parallel(1, 1)
+        yield cfg
+
+
+def build_loaded(model_cls, cfg, ckpt: Path, process: bool = True):
+    """Construct `model_cls` under `cfg`, load the checkpoint's safetensors through its
+    own `load_weights`, and post-process the weights as the engine does."""
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    # Attention layers register by name; these tests build several models, never run them
+    cfg.compilation_config.static_forward_context.clear()
+    with set_current_vllm_config(cfg), set_default_torch_dtype(torch.float32):
+        model = model_cls(vllm_config=cfg)
+        weights = load_file(ckpt / "model.safetensors")
+        loaded = model.load_weights(iter(weights.items()))
+        if process:
+            process_weights_after_loading(model, cfg.model_config, torch.device("cpu"))
+    return model, loaded, weights
