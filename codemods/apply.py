@@ -14,19 +14,24 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import manifest
 from .emit import emit_body
 from .errors import CodemodError
 from .plan import ModelPlan, plan
 from .render import render
 from .source import load
 from .structure import analyse
+from .validate import validate
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "generated"
 
 
-def generate(name: str) -> tuple[ModelPlan, str]:
-    """The plan and the full text of the generated file for one modeling file."""
-    model_plan = plan(analyse(load(name)))
+def generate(name: str, trust_remote_code: bool = False) -> tuple[ModelPlan, str]:
+    """The plan and the full text of the generated file for one modeling file:
+    source -> match -> validate -> plan -> emit -> render."""
+    structure = analyse(load(name))
+    validate(structure, trust_remote_code)
+    model_plan = plan(structure)
     return model_plan, render(model_plan, emit_body(model_plan))
 
 
@@ -63,10 +68,20 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="write nothing; exit 1 if the file would change")
     mode.add_argument("--diff", action="store_true", help="print the unified diff; write nothing")
     parser.add_argument("-q", "--quiet", action="store_true", help="no fusion report")
+    parser.add_argument(
+        "--accept-lost-fusions",
+        action="store_true",
+        help="write even if the manifest records fusions this regeneration no longer produces",
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow running a modeling file that is not part of the installed transformers (the proofs run it)",
+    )
     args = parser.parse_args(argv)
 
     try:
-        model_plan, text = generate(args.source)
+        model_plan, text = generate(args.source, args.trust_remote_code)
     except CodemodError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -76,19 +91,39 @@ def main(argv: list[str] | None = None) -> int:
 
     path = output_path(model_plan, args.out)
     old = path.read_text(encoding="utf-8") if path.exists() else ""
+    try:
+        recorded = manifest.read(args.out)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    new_entry = manifest.entry(model_plan)
+    key = path.stem
+    lost = manifest.lost_fusions(recorded.get(key, {}), new_entry)
+    if lost and not args.accept_lost_fusions:
+        print(
+            f"error: regenerating {path.name} loses fusions recorded in {manifest.NAME}: "
+            f"{'; '.join(lost)} (pass --accept-lost-fusions to accept)",
+            file=sys.stderr,
+        )
+        return 1
+    new_manifest = manifest.render({**recorded, key: new_entry})
+    old_manifest = manifest.render(recorded) if recorded else ""
     if args.diff:
         sys.stdout.write(unified_diff(old, text, path))
+        sys.stdout.write(unified_diff(old_manifest, new_manifest, args.out / manifest.NAME))
         return 0
     if args.check:
-        if old != text:
-            print(f"would regenerate {path}", file=sys.stderr)
-            return 1
-        print(f"{path} is current", file=sys.stderr)
-        return 0
-    if old == text:
+        stale = [p for p, a, b in ((path, old, text), (args.out / manifest.NAME, old_manifest, new_manifest)) if a != b]
+        for p in stale:
+            print(f"would regenerate {p}", file=sys.stderr)
+        if not stale:
+            print(f"{path} is current", file=sys.stderr)
+        return 1 if stale else 0
+    if old == text and old_manifest == new_manifest:
         print(f"unchanged {path}", file=sys.stderr)
         return 0
     write_atomic(path, text)
+    write_atomic(args.out / manifest.NAME, new_manifest)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

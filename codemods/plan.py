@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import libcst.matchers as m
 
+from fusion_patterns import glu, qkv, residual_norm, rms_norm
 from fusion_patterns.base import FusionRecord, Refusal, ShardId
 
 from .structure import ModelStructure
@@ -21,7 +22,18 @@ class ModelPlan:
 
     @property
     def records(self) -> list[FusionRecord]:
-        return self.structure.records
+        """The fusions that fired, derived from the specs that survived matching and proof."""
+        s = self.structure
+        out: list[FusionRecord] = []
+        for owner in (s.layer, s.base):
+            for attr, cls in s.norm_attrs(owner).items():
+                out.append(rms_norm.record(s.norms[cls], owner.name, attr))
+        out += qkv.records(s.attention, s.attn_attr, set(s.norms))
+        if s.mlp is not None:
+            out += glu.records(s.mlp, s.mlp_attr)
+        if s.layer_spec is not None:
+            out += residual_norm.records(s.layer_spec)
+        return out
 
     @property
     def refusals(self) -> list[Refusal]:

@@ -14,7 +14,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from fusion_patterns import glu, qkv, residual_norm, rms_norm
-from fusion_patterns.base import ClassInfo, FusionRecord, Refusal, code, dotted_name, linear_args
+from fusion_patterns.base import ClassInfo, Refusal, code, dotted_name
 
 from .errors import CodemodError
 from .source import ModelSource
@@ -30,13 +30,16 @@ NEOX_ROTATE = m.Call(
 class ModelStructure:
     source: ModelSource
     classes: dict[str, ClassInfo]
+    # proven RMSNorm classes; a norm class not in here is copied from the source as is
     norms: dict[str, rms_norm.NormSpec]
     attention: qkv.QKVSpec
-    mlp: glu.GLUSpec
+    # None when the fusion was refused: the part is emitted unfused
+    mlp: glu.GLUSpec | None
+    layer_spec: residual_norm.LayerSpec | None
     layer: ClassInfo
-    layer_spec: residual_norm.LayerSpec
     base: ClassInfo
     causal: ClassInfo
+    mlp_class: str
     # attribute names on the decoder layer
     attn_attr: str
     mlp_attr: str
@@ -48,8 +51,23 @@ class ModelStructure:
     head_attr: str
     num_layers: cst.BaseExpression
     neox_rotary: bool
-    records: list[FusionRecord] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)
+    # (column-parallel, row-parallel) projections of an unfused MLP, set by validation
+    mlp_sharding: tuple[list[str], list[str]] | None = None
+
+    def norm_attrs(self, owner: ClassInfo, *, proven_only: bool = True) -> dict[str, str]:
+        """{attr: norm class} of the norms `owner` builds."""
+        wanted = set(self.norms) if proven_only else self.norm_like
+        return _builders(owner, wanted)
+
+    @property
+    def norm_like(self) -> set[str]:
+        """Every class that computes a norm, proven or not."""
+        refused = {r.source_class for r in self.refusals if r.pattern == rms_norm.NAME}
+        return set(self.norms) | refused
+
+    def refuse(self, refusal: Refusal) -> None:
+        self.refusals.append(refusal)
 
 
 def cannot_generate(refusals: list[Refusal], why: str) -> CodemodError:
@@ -104,8 +122,9 @@ def _one(kind: str, found: list, source: ModelSource):
 
 
 def analyse(source: ModelSource) -> ModelStructure:
+    """Match every pattern and find the roles. Refusals of the MLP, norm and residual
+    fusions leave those parts unfused; the attention has no unfused form yet."""
     classes = class_infos(source.module)
-    records: list[FusionRecord] = []
     refusals: list[Refusal] = []
 
     norms: dict[str, rms_norm.NormSpec] = {}
@@ -115,25 +134,32 @@ def analyse(source: ModelSource) -> ModelStructure:
             refusals.append(result)
         elif result is not None:
             norms[info.name] = result
+    norm_like = set(norms) | {r.source_class for r in refusals}
 
-    attentions, mlps = {}, {}
+    attentions = {}
+    head_norms = {**{name: None for name in norm_like}, **norms}
     for info in classes.values():
-        for pattern, found, args in ((qkv, attentions, (norms,)), (glu, mlps, ())):
-            result = pattern.match(info, *args)
-            if isinstance(result, Refusal):
-                refusals.append(result)
-                raise cannot_generate(refusals, "no unfused form is emitted yet")
-            if result is not None:
-                found[info.name] = result
+        result = qkv.match(info, head_norms)
+        if isinstance(result, Refusal):
+            refusals.append(result)
+            raise cannot_generate(refusals, "no unfused attention form is emitted yet")
+        if result is not None:
+            attentions[info.name] = result
 
-    layers = [
-        info
-        for info in classes.values()
-        if _builders(info, set(attentions)) and _builders(info, set(mlps))
-    ]
-    layer = _one("decoder layer (a class building both an attention and an MLP class)", layers, source)
+    layers = [info for info in classes.values() if _builders(info, set(attentions))]
+    layer = _one("decoder layer (a class building an attention class)", layers, source)
     attn_attr, attn_cls = next(iter(_builders(layer, set(attentions)).items()))
-    mlp_attr, mlp_cls = next(iter(_builders(layer, set(mlps)).items()))
+    others = {n for n in classes if n not in attentions and n not in norm_like}
+    mlp_attrs = list(_builders(layer, others).items())
+    if len(mlp_attrs) != 1:
+        raise CodemodError(f"cannot generate: {layer.name} builds {len(mlp_attrs)} sublayers besides attention, expected one MLP")
+    mlp_attr, mlp_cls = mlp_attrs[0]
+    mlp = glu.match(classes[mlp_cls])
+    if mlp is None:
+        mlp = Refusal(glu.NAME, mlp_cls, "gate/up projections", "forward has no `down(act(gate(x)) * up(x))` product")
+    if isinstance(mlp, Refusal):
+        refusals.append(mlp)
+        mlp = None
 
     bases = []
     for info in classes.values():
@@ -143,48 +169,36 @@ def analyse(source: ModelSource) -> ModelStructure:
             if count is not None and embeds:
                 bases.append((info, attr, count, embeds[0]))
     base, layers_attr, num_layers, embed_attr = _one("base model (an nn.ModuleList of decoder layers)", bases, source)
-    base_norms = [a for a, c in _builders(base, set(norms)).items()]
-    final_norm_attr = _one("final norm on the base model", base_norms, source)
+    final_norm_attr = _one("final norm on the base model", list(_builders(base, norm_like)), source)
 
     causals = []
     for info in classes.values():
-        model_attrs = [a for a, c in _builders(info, {base.name}).items()]
+        model_attrs = list(_builders(info, {base.name}))
         heads = [a for a in info.attrs if info.constructed_class(a) in ("nn.Linear", "torch.nn.Linear")]
         if model_attrs and heads and info.name.endswith("ForCausalLM"):
             causals.append((info, model_attrs[0], heads[0]))
     causal, model_attr, head_attr = _one("...ForCausalLM class", causals, source)
 
-    layer_result = residual_norm.match(layer, set(_builders(layer, set(norms))))
-    if isinstance(layer_result, Refusal):
-        refusals.append(layer_result)
-        raise cannot_generate(refusals, "no unfused layer form is emitted yet")
-    mixers = {b.mixer for b in layer_result.blocks}
-    if mixers != {attn_attr, mlp_attr}:
-        raise CodemodError(f"cannot generate: {layer.name} blocks call {sorted(mixers)}, expected {attn_attr} and {mlp_attr}")
+    layer_spec = residual_norm.match(layer, set(_builders(layer, set(norms))))
+    if isinstance(layer_spec, Refusal):
+        refusals.append(layer_spec)
+        layer_spec = None
+    elif {b.mixer for b in layer_spec.blocks} != {attn_attr, mlp_attr}:
+        raise CodemodError(f"cannot generate: {layer.name} blocks do not call {attn_attr} and {mlp_attr}")
 
     _refuse_unhandled_math(base, causal, source)
-
-    rotates = m.findall(source.module, NEOX_ROTATE)
-    neox = bool(rotates)
-
-    attention, mlp = attentions[attn_cls], mlps[mlp_cls]
-    for owner in (layer, base):
-        for attr, cls in _builders(owner, set(norms)).items():
-            records.append(rms_norm.record(norms[cls], owner.name, attr))
-    records += qkv.records(attention, attn_attr)
-    records += glu.records(mlp, mlp_attr)
-    records += residual_norm.records(layer_result)
 
     return ModelStructure(
         source=source,
         classes=classes,
         norms=norms,
-        attention=attention,
+        attention=attentions[attn_cls],
         mlp=mlp,
+        layer_spec=layer_spec,
         layer=layer,
-        layer_spec=layer_result,
         base=base,
         causal=causal,
+        mlp_class=mlp_cls,
         attn_attr=attn_attr,
         mlp_attr=mlp_attr,
         embed_attr=embed_attr,
@@ -193,8 +207,7 @@ def analyse(source: ModelSource) -> ModelStructure:
         model_attr=model_attr,
         head_attr=head_attr,
         num_layers=num_layers,
-        neox_rotary=neox,
-        records=records,
+        neox_rotary=bool(m.findall(source.module, NEOX_ROTATE)),
         refusals=refusals,
     )
 

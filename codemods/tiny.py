@@ -1,59 +1,158 @@
 """Tiny random-weight checkpoints built from a model's own config class.
 
-Sizes are shrunk so the model runs on a CPU in seconds (a head size vLLM's CPU attention
-supports, GQA, several layers); features the config offers are switched on with values
-that make a difference: every bias flag, sliding-window layers mixed with full ones and a
-window shorter than the prompts, and norm weights and biases that are not ones and zeros.
+Sizes are shrunk so the model runs on a CPU in seconds; every feature the config class
+offers is switched on, with a value that makes a difference, by rules over the class's
+own fields (not per architecture): boolean flags off by default go on, multipliers move
+away from 1, soft-caps go low enough to bite, sliding windows get shorter than the
+prompts and mix with full layers. `shrink` does the same for a real `config.json`,
+keeping every value and changing only sizes.
 """
 
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
 
 import torch
 
-# Sizes: applied to whichever of these fields the config class has.
-TINY_SIZES = {
-    "vocab_size": 512,
+# vLLM's CPU attention supports these head sizes.
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+HEAD_DIM = 64
+VOCAB = 512
+SIZES = {
+    "vocab_size": VOCAB,
     "hidden_size": 256,
     "intermediate_size": 688,
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "head_dim": 64,
+    "head_dim": HEAD_DIM,
     "max_position_embeddings": 512,
 }
-# Features: switched on where the config class has the field.
-TINY_FEATURES = {
-    "attention_bias": True,
-    "mlp_bias": True,
-    "use_sliding_window": True,
-    "sliding_window": 8,
-    "max_window_layers": 2,  # layers >= 2 slide, layers < 2 attend fully
-}
+WINDOW = 8  # shorter than every verification prompt but the first
+# Booleans that are not model features (runtime switches, or another kind of model).
+NOT_FEATURES = {"use_cache", "use_bidirectional_attention", "return_dict", "is_decoder", "output_attentions"}
+LAYER_PATTERN = ("full_attention", "sliding_attention", "sliding_attention", "full_attention")
+
+
+def own_fields(config_cls) -> dict[str, tuple[object, object]]:
+    """{field: (annotation, default)} declared by the config class and its model bases."""
+    from transformers import PreTrainedConfig
+
+    out: dict[str, tuple[object, object]] = {}
+    for klass in reversed(config_cls.__mro__):
+        if not isinstance(klass, type) or not issubclass(klass, PreTrainedConfig) or klass is PreTrainedConfig:
+            continue
+        for name, annotation in klass.__dict__.get("__annotations__", {}).items():
+            out[name] = (annotation, klass.__dict__.get(name))
+    return out
+
+
+def _is(annotation, kind) -> bool:
+    args = typing.get_args(annotation)
+    return annotation is kind or kind in args
+
+
+def feature_values(config_cls) -> dict[str, object]:
+    """The feature switches for `config_cls`, by rule over its own fields."""
+    values: dict[str, object] = {}
+    for name, (annotation, default) in own_fields(config_cls).items():
+        if _is(annotation, bool) and default in (False, None) and name not in NOT_FEATURES:
+            values[name] = True
+        elif "softcap" in name and _is(annotation, float):
+            values[name] = 2.0
+        elif ("multiplier" in name or name.startswith("scale_") or name in ("logits_scaling", "logit_scale")) and _is(annotation, float):
+            values[name] = 0.6 if "multiplier" in name else 2.5
+        elif name.startswith("clip_") and _is(annotation, float):
+            values[name] = 0.3
+        elif name == "sliding_window":
+            values[name] = WINDOW
+        elif name == "layer_types":
+            values[name] = list(LAYER_PATTERN)
+    return values
 
 
 def tiny_config(config_cls, overrides: dict | None = None):
     fields = config_cls().to_dict()
-    values = {k: v for k, v in {**TINY_SIZES, **TINY_FEATURES}.items() if k in fields}
+    values = {k: v for k, v in SIZES.items() if k in fields}
+    values.update(feature_values(config_cls))
+    if "layer_types" in values:
+        values["num_hidden_layers"] = len(values["layer_types"])
     values.update(overrides or {})
-    config = config_cls(**values)
-    return config
+    return config_cls(**values)
+
+
+def _clamp_token_ids(cfg: dict, vocab: int) -> None:
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = cfg.get(key)
+        if isinstance(value, int) and value >= vocab:
+            cfg[key] = vocab - 1
+        elif isinstance(value, list):
+            cfg[key] = [v if v < vocab else vocab - 1 for v in value]
+
+
+def _shrunk_layers(cfg: dict) -> int:
+    """Fewest layers keeping at least one of every layer type (2 at the least)."""
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and types:
+        kinds = list(dict.fromkeys(types))
+        prefix = max(types.index(k) for k in kinds) + 1
+        kept = types[:prefix] if prefix <= 8 else kinds
+        if len(kept) < 2:
+            kept = kept * 2
+        cfg["layer_types"] = kept
+        return len(kept)
+    n = min(cfg.get("num_hidden_layers", 4), 4)
+    if cfg.get("use_sliding_window") and "max_window_layers" in cfg:
+        cfg["max_window_layers"] = n // 2  # keep both sliding and full layers
+    return n
+
+
+def shrink(raw: dict, overrides: dict | None = None) -> dict:
+    """A real checkpoint's config with only its sizes shrunk; every other field (flags,
+    values, fields the current config class no longer writes) is kept as published."""
+    cfg = json.loads(json.dumps(raw))
+    heads = cfg.get("num_attention_heads", 4)
+    kv = cfg.get("num_key_value_heads") or heads
+    ratio = max(1, heads // kv)
+    new_kv = 2 if kv >= 2 and ratio <= 4 else 1
+    cfg["num_attention_heads"] = ratio * new_kv
+    if "num_key_value_heads" in cfg:
+        cfg["num_key_value_heads"] = new_kv
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None:
+        cfg["head_dim"] = head_dim if head_dim in CPU_HEAD_DIMS and head_dim <= 128 else HEAD_DIM
+        new_hidden = 256
+    else:
+        new_hidden = cfg["num_attention_heads"] * HEAD_DIM
+    old_hidden = cfg.get("hidden_size", new_hidden)
+    cfg["hidden_size"] = new_hidden
+    if "intermediate_size" in cfg:
+        cfg["intermediate_size"] = max(16, round(cfg["intermediate_size"] / old_hidden * new_hidden / 16) * 16)
+    cfg["num_hidden_layers"] = _shrunk_layers(cfg)
+    cfg["vocab_size"] = VOCAB
+    _clamp_token_ids(cfg, VOCAB)
+    cfg.pop("quantization_config", None)  # random weights are not quantized
+    cfg.update(overrides or {})
+    return cfg
 
 
 def features_on(config) -> list[str]:
-    """The feature flags and values of `config` that differ from a plain model."""
+    """The features switched on in `config` (for the verification report)."""
     on = []
-    for key in TINY_FEATURES:
-        value = getattr(config, key, None)
-        if value not in (None, False):
-            on.append(key if value is True else f"{key}={value}")
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types and len(set(layer_types)) > 1:
-        on.append("mixed_layer_types")
-    if getattr(config, "tie_word_embeddings", False):
-        on.append("tie_word_embeddings")
+    for name in feature_values(type(config)):
+        value = getattr(config, name, None)
+        if name == "layer_types":
+            if value and len(set(value)) > 1:
+                on.append("mixed_layer_types")
+        elif value not in (None, False):
+            on.append(name if value is True else f"{name}={value}")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        on.append(f"rope_type={rope['rope_type']}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        on.append(f"partial_rotary_factor={rope['partial_rotary_factor']}")
     return on
 
 
@@ -72,16 +171,20 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
             param.copy_(noise / param.shape[-1] ** 0.5)
 
 
-def build_checkpoint(causal_cls, config, out_dir: Path, seed: int = 0) -> torch.nn.Module:
-    """Save a random-weight fp32 safetensors checkpoint of `causal_cls` to `out_dir`."""
+def build_checkpoint(causal_cls, config, out_dir: Path, raw_config: dict | None = None, seed: int = 0):
+    """Save a random-weight fp32 safetensors checkpoint and return the transformers model
+    loaded back from it, so the reference reads the same files the engine reads.
+
+    `raw_config` (a shrunk published config) is written as config.json verbatim."""
     torch.manual_seed(seed)
     config.architectures = [causal_cls.__name__]
-    config.torch_dtype = "float32"
     model = causal_cls(config).to(torch.float32).eval()
     randomize(model, seed)
     model.save_pretrained(out_dir, safe_serialization=True)
-    # transformers may write `dtype`; vLLM reads either
-    cfg = json.loads((out_dir / "config.json").read_text())
-    cfg.setdefault("torch_dtype", "float32")
+    cfg = dict(raw_config) if raw_config is not None else json.loads((out_dir / "config.json").read_text())
+    cfg["architectures"] = [causal_cls.__name__]
+    cfg["torch_dtype"] = cfg["dtype"] = "float32"
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-    return model
+    del model
+    reference = causal_cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager")
+    return reference.eval()

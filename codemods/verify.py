@@ -3,7 +3,8 @@ against transformers on the same tiny random checkpoint.
 
 Exit 0 when it matches (the generated class ran, greedy tokens identical, logprobs
 within 1e-4 in fp32), 1 when it ran and differs, 2 when it could not generate or run.
-The last line printed is one JSON object.
+The last line printed is one JSON object (with `--all`, a table, then one JSON object
+per model).
 """
 
 from __future__ import annotations
@@ -25,11 +26,20 @@ PROMPT_LENGTHS = (5, 13, 29, 47)
 
 
 def read_header(path: Path) -> dict[str, str]:
-    head = path.read_text(encoding="utf-8")[:4096]
+    try:
+        head = path.read_text(encoding="utf-8")[:8192]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CodemodError(f"{path}: cannot read: {exc}") from None
     fields = dict(re.findall(r"^# (source|architecture):\s+(.+)$", head, re.MULTILINE))
-    if "source" not in fields or "architecture" not in fields:
+    if "source" not in fields or "architecture" not in fields or "->" not in fields["architecture"]:
         raise CodemodError(f"{path}: not a generated file (its header names no source/architecture)")
+    fields["fused"] = str(len(re.findall(r"^#\s+Fused: ", head, re.MULTILINE)))
+    fields["refused"] = str(len(re.findall(r"^#\s+Refused: ", head, re.MULTILINE)))
     return fields
+
+
+def generated_models() -> list[str]:
+    return sorted(p.stem for p in GENERATED.glob("*.py") if not p.name.startswith("_"))
 
 
 def resolve_target(target: str) -> Path:
@@ -40,16 +50,26 @@ def resolve_target(target: str) -> Path:
         return path
     path = GENERATED / f"{target}.py"
     if not path.exists():
-        known = sorted(p.stem for p in GENERATED.glob("*.py") if not p.name.startswith("_"))
-        raise CodemodError(f"{target}: no generated model of that name (have: {', '.join(known)})")
+        raise CodemodError(f"{target}: no generated model of that name (have: {', '.join(generated_models())})")
     return path
 
 
-def reference_class(source: str, class_name: str):
-    if not source.startswith("transformers/"):
-        raise CodemodError(f"source {source} is not part of the installed transformers")
-    module = importlib.import_module(source[: -len(".py")].replace("/", "."))
-    return getattr(module, class_name)
+def reference_class(source: str, class_name: str, trust_remote_code: bool):
+    """The transformers class the generated file was made from, imported from its source."""
+    from . import loading
+    from .source import load
+
+    if source.startswith("transformers/"):
+        return getattr(importlib.import_module(source[: -len(".py")].replace("/", ".")), class_name)
+    return loading.model_classes(load(source), class_name, trust_remote_code)
+
+
+def is_generated(path: Path) -> bool:
+    try:
+        read_header(path)
+        return True
+    except CodemodError:
+        return False
 
 
 def prompts_for(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -59,15 +79,67 @@ def prompts_for(vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-def verify(target: str, tp: int = 1, pp: int = 1, overrides: dict | None = None) -> dict:
+def parse_override(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise CodemodError(f"--override {text!r}: expected key=value")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        raise CodemodError(f"--override {text!r}: the value is not JSON (strings need quotes)") from None
+
+
+def load_config_json(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CodemodError(f"--config {path}: {exc}") from None
+
+
+def verify(
+    target: str,
+    tp: int = 1,
+    pp: int = 1,
+    overrides: dict | None = None,
+    config_json: dict | None = None,
+    trust_remote_code: bool = False,
+) -> dict:
+    """Verify a generated model, or a modeling file (generated into a temporary folder
+    and compared against that same file's model)."""
+    path = resolve_target(target)
+    if is_generated(path):
+        return _verify_generated(path, tp, pp, overrides, config_json, trust_remote_code)
+    from .apply import generate, output_path
+
+    model_plan, text = generate(str(path), trust_remote_code)
+    with tempfile.TemporaryDirectory(prefix="verify-source-") as tmp:
+        out = output_path(model_plan, Path(tmp))
+        out.write_text(text, encoding="utf-8")
+        return _verify_generated(out, tp, pp, overrides, config_json, trust_remote_code)
+
+
+def _verify_generated(path: Path, tp, pp, overrides, config_json, trust_remote_code) -> dict:
     from . import engine, reference, registration, tiny
 
-    path = resolve_target(target)
     header = read_header(path)
     arch, causal_name = (s.strip() for s in header["architecture"].split("->"))
-    causal_cls = reference_class(header["source"].strip(), causal_name)
-    config = tiny.tiny_config(causal_cls.config_class, overrides)
-    result = {"arch": path.stem, "impl": None, "tp": tp, "pp": pp, "features": tiny.features_on(config)}
+    causal_cls = reference_class(header["source"].strip(), causal_name, trust_remote_code)
+    config_cls = causal_cls.config_class
+    raw = None
+    if config_json is not None:
+        raw = tiny.shrink(config_json, overrides)
+        config = config_cls.from_dict(raw)
+    else:
+        config = tiny.tiny_config(config_cls, overrides)
+    result = {
+        "arch": path.stem,
+        "impl": None,
+        "tp": tp,
+        "pp": pp,
+        "features": tiny.features_on(config),
+        "fused": int(header["fused"]),
+        "refused": int(header["refused"]),
+    }
     expected_module = f"generated.{path.stem}"
     with tempfile.TemporaryDirectory(prefix=f"verify-{path.stem}-") as tmp:
         if path.resolve().parent != GENERATED:
@@ -75,9 +147,8 @@ def verify(target: str, tp: int = 1, pp: int = 1, overrides: dict | None = None)
             plugin_dir.mkdir()
             arch, expected_module = registration.register_external(path, causal_name, plugin_dir)
         ckpt = Path(tmp) / "checkpoint"
-        model = tiny.build_checkpoint(causal_cls, config, ckpt)
-        model.config._attn_implementation = "eager"
-        prompts = prompts_for(config.vocab_size)
+        model = tiny.build_checkpoint(causal_cls, config, ckpt, raw_config=raw)
+        prompts = prompts_for(model.config.vocab_size)
         ref = reference.greedy_with_logprobs(model, prompts, MAX_TOKENS)
         del model
         ran = engine.run(str(ckpt), arch, prompts, MAX_TOKENS, tp=tp, pp=pp)
@@ -88,8 +159,9 @@ def verify(target: str, tp: int = 1, pp: int = 1, overrides: dict | None = None)
         seq = prompt + ref_tokens
         want = [float(ref_lp[i - 1, seq[i]]) for i in range(1, len(prompt) + len(tokens))]
         # compare as far as both followed the same tokens
-        n = len(prompt) - 1 + next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), len(tokens))
-        diffs += [abs(a - b) for a, b in zip(want[: n + 1], lps[: n + 1])]
+        same = next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), len(tokens))
+        n = len(prompt) - 1 + same + (1 if same < len(tokens) else 0)
+        diffs += [abs(a - b) for a, b in zip(want[:n], lps[:n])]
     max_diff = max(diffs) if diffs else float("inf")
     generated_ran = ran.impl.startswith(f"{expected_module}:")
     result.update(
@@ -103,24 +175,80 @@ def verify(target: str, tp: int = 1, pp: int = 1, overrides: dict | None = None)
     return result
 
 
+def _safe_verify(target: str, **kwargs) -> tuple[int, dict]:
+    try:
+        result = verify(target, **kwargs)
+    except CodemodError as exc:
+        return 2, {"arch": target, "ok": False, "error": str(exc)}
+    except Exception as exc:  # the engine could not build or run the model
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return 2, {"arch": target, "ok": False, "error": f"could not run: {type(exc).__name__}: {first}"[:500]}
+    return (0 if result["ok"] else 1), result
+
+
+def table(rows: list[dict]) -> str:
+    head = ("arch", "tp", "pp", "features on", "fused", "refused", "max |dlogprob|", "tokens equal", "ok")
+    lines = [head]
+    for r in rows:
+        diff = r.get("max_abs_logprob_diff")
+        lines.append(
+            (
+                r["arch"],
+                str(r.get("tp", "")),
+                str(r.get("pp", "")),
+                ", ".join(r.get("features", [])) or "-",
+                str(r.get("fused", "")),
+                str(r.get("refused", "")),
+                f"{diff:.2e}" if isinstance(diff, float) else "-",
+                str(r.get("tokens_equal", "-")),
+                "ok" if r["ok"] else f"FAIL {r.get('error', '')}".strip(),
+            )
+        )
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m codemods.verify", description=__doc__.splitlines()[0])
-    parser.add_argument("target", help="model type of a file in generated/ (e.g. qwen3) or a generated file's path")
+    parser.add_argument("target", nargs="?", help="model type in generated/ (e.g. qwen3) or a generated file's path")
+    parser.add_argument("--all", action="store_true", help="verify every generated model and print a table")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
+    parser.add_argument("--config", metavar="PATH", help="a real checkpoint's config.json: kept, sizes shrunk")
+    parser.add_argument(
+        "--override", action="append", default=[], metavar="KEY=JSON", help="set a config field (repeatable)"
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow running a modeling file that is not part of the installed transformers",
+    )
     args = parser.parse_args(argv)
+    if bool(args.all) == bool(args.target):
+        parser.error("give one model (or a generated file), or --all")
     try:
-        result = verify(args.target, tp=args.tp, pp=args.pp)
+        overrides = dict(parse_override(o) for o in args.override)
+        config_json = load_config_json(args.config) if args.config else None
     except CodemodError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        print(json.dumps({"arch": args.target, "ok": False, "error": str(exc)}))
         return 2
-    except Exception as exc:  # the engine failed to build or run the model
-        print(f"error: could not run: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
-        print(json.dumps({"arch": args.target, "tp": args.tp, "pp": args.pp, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:500]}))
-        return 2
-    print(json.dumps(result))
-    return 0 if result["ok"] else 1
+    kwargs = {
+        "tp": args.tp,
+        "pp": args.pp,
+        "overrides": overrides,
+        "config_json": config_json,
+        "trust_remote_code": args.trust_remote_code,
+    }
+    targets = generated_models() if args.all else [args.target]
+    results = [_safe_verify(t, **kwargs) for t in targets]
+    if args.all:
+        print(table([r for _, r in results]))
+    for code, result in results:
+        if code == 2:
+            print(f"error: {result['arch']}: {result['error']}", file=sys.stderr)
+    for _, result in results:
+        print(json.dumps(result))
+    return max(code for code, _ in results)
 
 
 if __name__ == "__main__":

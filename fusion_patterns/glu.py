@@ -91,3 +91,50 @@ def _extract(info: ClassInfo, cap: dict) -> GLUSpec:
 
 def records(spec: GLUSpec, scope: str) -> list[FusionRecord]:
     return [FusionRecord(NAME, spec.class_name, (spec.gate, spec.up), spec.merged, VLLM_CLASS, (0, 1), scope)]
+
+
+# --- proof -------------------------------------------------------------------------
+# Dataflow: gate and up read one node; the activation reads the gate output only; the
+# product of the two, and nothing else, feeds down. Numbers: the module against
+# down(act_and_mul(x @ [W_gate; W_up]^T)) with vLLM's fused activation.
+
+
+def activation_name(spec: GLUSpec, module, config) -> str:
+    try:
+        return str(eval(code(spec.act_name), {"config": config, "self": module}))  # noqa: S307
+    except Exception as exc:
+        raise PatternRefused(f"the activation key `{code(spec.act_name)}` cannot be evaluated: {exc}") from None
+
+
+def prove(spec: GLUSpec, module, config) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from .dataflow import require_close, single_call, trace
+
+    graph = trace(module)
+    gate, up, down, act = (single_call(graph, n) for n in (spec.gate, spec.up, spec.down, spec.act_attr))
+    if gate.args[0] is not up.args[0]:
+        raise PatternRefused("gate and up consume different graph nodes")
+    if act.args[0] is not gate or len(gate.users) != 1:
+        raise PatternRefused("the activation is not applied to the gate output alone")
+    product = down.args[0]
+    if not (product.op == "call_function" and getattr(product.target, "__name__", "") == "mul"):
+        raise PatternRefused("what feeds down is not a product")
+    if set(product.args) != {act, up} or len(product.users) != 1 or len(up.users) != 1:
+        raise PatternRefused("the product of act(gate) and up is not all that feeds down")
+
+    from vllm.model_executor.layers.activation import get_act_and_mul_fn
+
+    name = activation_name(spec, module, config)
+    try:
+        act_and_mul = get_act_and_mul_fn(name)
+    except ValueError:
+        raise PatternRefused(f"vLLM has no fused ...AndMul for activation {name!r}") from None
+    g, u, d = (getattr(module, n) for n in (spec.gate, spec.up, spec.down))
+    with torch.no_grad():
+        x = torch.randn(2, 5, g.in_features, generator=torch.Generator().manual_seed(0))
+        weight = torch.cat([g.weight, u.weight])
+        bias = torch.cat([g.bias, u.bias]) if g.bias is not None else None
+        merged = F.linear(x, weight, bias)
+        require_close(d(act_and_mul.forward_native(merged)), module(x), f"{spec.class_name} merged gate/up")

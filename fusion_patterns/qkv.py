@@ -24,7 +24,7 @@ from .base import (
     linear_args,
     self_attr,
 )
-from .rms_norm import NormSpec, is_norm_call
+from .rms_norm import NormSpec
 
 NAME = "qkv"
 VLLM_CLASS = "QKVParallelLinear"
@@ -46,9 +46,8 @@ LAYOUT_METHODS = {"view", "reshape", "transpose", "contiguous"}
 @dataclass(frozen=True)
 class HeadNorm:
     attr: str
-    size: cst.BaseExpression
-    eps: cst.BaseExpression | None
-    spec: NormSpec
+    norm_class: str
+    spec: NormSpec | None  # None: a norm class the rms_norm pattern refused (copied as is)
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ def _assignment_of(forward: cst.FunctionDef, name: str) -> cst.BaseExpression:
     return found[0].value
 
 
-def _unwrap(value: cst.BaseExpression, info: ClassInfo, norms: dict[str, NormSpec]):
+def _unwrap(value: cst.BaseExpression, info: ClassInfo, norms: dict[str, NormSpec | None]):
     """Peel layout methods and a head norm off one q/k/v expression.
 
     Returns (projection attr, input name, norm attr or None, norm applied per head)."""
@@ -109,7 +108,7 @@ def _unwrap(value: cst.BaseExpression, info: ClassInfo, norms: dict[str, NormSpe
                 if not isinstance(arg, cst.Name):
                     raise PatternRefused(f"self.{attr} is not applied to a plain name")
                 return attr, arg.value, norm_attr, per_head
-            if norm_attr is None and is_norm_call(info.attrs.get(attr), norms):
+            if norm_attr is None and info.constructed_class(attr) in norms:
                 norm_attr = attr
                 per_head = m.matches(arg, m.Call(func=m.Attribute(attr=m.Name("view") | m.Name("reshape"))))
                 node = arg
@@ -118,7 +117,8 @@ def _unwrap(value: cst.BaseExpression, info: ClassInfo, norms: dict[str, NormSpe
         raise PatternRefused(f"`{code(node)}` between a projection and attention")
 
 
-def match(info: ClassInfo, norms: dict[str, NormSpec]) -> QKVSpec | Refusal | None:
+def match(info: ClassInfo, norms: dict[str, NormSpec | None]) -> QKVSpec | Refusal | None:
+    """`norms`: every norm-like class, with its spec where the rms_norm pattern matched."""
     if info.forward is None:
         return None
     calls = m.findall(info.forward, ATTENTION_CALL)
@@ -130,7 +130,7 @@ def match(info: ClassInfo, norms: dict[str, NormSpec]) -> QKVSpec | Refusal | No
         return Refusal(NAME, info.name, "q/k/v projections", str(why))
 
 
-def _extract(info: ClassInfo, norms: dict[str, NormSpec], call: cst.Call) -> QKVSpec:
+def _extract(info: ClassInfo, norms: dict[str, NormSpec | None], call: cst.Call) -> QKVSpec:
     roles = m.extract(call, ATTENTION_CALL)
     unwrapped = []
     for role in ("q", "k", "v"):
@@ -170,9 +170,8 @@ def _extract(info: ClassInfo, norms: dict[str, NormSpec], call: cst.Call) -> QKV
             raise PatternRefused(
                 f"{role}-norm over the whole projection needs a cross-rank reduction under TP"
             )
-        spec = norms[info.constructed_class(norm_attr)]
-        size, eps = spec.bind(info.attrs[norm_attr])
-        head_norms.append(HeadNorm(norm_attr, size, eps, spec))
+        norm_class = info.constructed_class(norm_attr)
+        head_norms.append(HeadNorm(norm_attr, norm_class, norms[norm_class]))
 
     used = set(projections)
     outs = [
@@ -200,11 +199,111 @@ def _extract(info: ClassInfo, norms: dict[str, NormSpec], call: cst.Call) -> QKV
     )
 
 
-def records(spec: QKVSpec, scope: str) -> list[FusionRecord]:
+def records(spec: QKVSpec, scope: str, proven_norms: set[str]) -> list[FusionRecord]:
     out = [
         FusionRecord(NAME, spec.class_name, spec.projections, spec.merged, VLLM_CLASS, ("q", "k", "v"), scope)
     ]
     for norm in (spec.q_norm, spec.k_norm):
-        if norm is not None:
+        if norm is not None and norm.norm_class in proven_norms:
             out.append(FusionRecord("rms_norm", spec.class_name, (norm.attr,), norm.attr, norm.spec.vllm_class))
     return out
+
+
+# --- proof -------------------------------------------------------------------------
+# Dataflow: q, k and v read one graph node that nothing mutates in place; the attention
+# call's query, key and value come from q, k and v respectively (the roles the rewrite
+# gives them); the output projection reads the attention output and nothing else.
+# Numbers: what the rewrite computes (merged GEMM, split, per-head norms, vLLM's rope)
+# against the tensors the transformers module hands its attention call, and o_proj on
+# a given attention output against the module's own output.
+CAPTURE = "codemods_capture"
+
+
+def prove(spec: QKVSpec, module, call_kwargs: dict, config, neox: bool, proven_norms: set[str]) -> None:
+    from .dataflow import mutated_in_place, single_call, trace, upstream_linears
+
+    graph = trace(module)
+    q, k, v = (single_call(graph, p) for p in spec.projections)
+    source = q.args[0]
+    if not (source is k.args[0] is v.args[0]):
+        raise PatternRefused("the projections consume different graph nodes")
+    if mutated := mutated_in_place(source):
+        raise PatternRefused(f"the projections' input is mutated in place ({', '.join(mutated)})")
+    attention = [n for n in graph.nodes if n.meta.get("leaf_call")]
+    if len(attention) != 1:
+        raise PatternRefused("no single attention call in the traced forward")
+    for role, arg, proj in zip(("query", "key", "value"), attention[0].args[:3], spec.projections):
+        found = upstream_linears(arg, module)
+        if found != {proj}:
+            raise PatternRefused(f"the attention call's {role} comes from {sorted(found) or 'no projection'}, not {proj}")
+    out = single_call(graph, spec.out_proj)
+    if upstream_linears(out.args[0], module) != set(spec.projections):
+        raise PatternRefused(f"{spec.out_proj} reads something besides the attention output")
+    _prove_numbers(spec, module, call_kwargs, config, neox, proven_norms)
+
+
+def _prove_numbers(spec: QKVSpec, module, call_kwargs: dict, config, neox: bool, proven_norms: set[str]) -> None:
+    import torch
+    import torch.nn.functional as F
+    from transformers.modeling_utils import AttentionInterface
+
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from .dataflow import require_close
+    from .rms_norm import _vllm_norm
+
+    hidden = call_kwargs["hidden_states"]
+    tokens = hidden.shape[1]
+    head_dim = getattr(module, spec.head_dim_attr)
+    projs = [getattr(module, p) for p in spec.projections]
+    heads = projs[0].out_features // head_dim
+    given = torch.randn(1, tokens, heads, head_dim, generator=torch.Generator().manual_seed(1))
+    seen: dict = {}
+
+    def capture(mod, query, key, value, mask, **kwargs):
+        seen.update(q=query, k=key, v=value)
+        return given, None
+
+    AttentionInterface.register(CAPTURE, capture)
+    saved = module.config._attn_implementation
+    module.config._attn_implementation = CAPTURE
+    try:
+        with torch.no_grad():
+            theirs = module(**call_kwargs)[0]
+    finally:
+        module.config._attn_implementation = saved
+    if not seen:
+        raise PatternRefused("the attention interface was not called")
+
+    with torch.no_grad():
+        x = hidden[0]
+        weight = torch.cat([p.weight for p in projs])
+        bias = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
+        q, k, v = F.linear(x, weight, bias).split([p.out_features for p in projs], dim=-1)
+        for norm, name in ((spec.q_norm, "q"), (spec.k_norm, "k")):
+            if norm is None:
+                continue
+            theirs_norm = getattr(module, norm.attr)
+            if norm.norm_class in proven_norms:
+                ours = _vllm_norm(norm.spec, head_dim, getattr(theirs_norm, norm.spec.eps_attr))
+                ours.weight.copy_(theirs_norm.weight)
+                apply = ours.forward_native
+            else:  # emitted as the copied source class
+                apply = theirs_norm
+            t = q if name == "q" else k
+            t = apply(t.reshape(tokens, -1, head_dim)).reshape(t.shape)
+            q, k = (t, k) if name == "q" else (q, t)
+        rope = get_rope(
+            head_dim,
+            max_position=config.max_position_embeddings,
+            is_neox_style=neox,
+            rope_parameters=config.rope_parameters,
+            dtype=torch.float32,
+        )
+        q, k = rope.forward_native(torch.arange(tokens), q, k)
+        flat = lambda t: t[0].transpose(0, 1).reshape(tokens, -1)  # noqa: E731  [1,H,T,D] -> [T,H*D]
+        require_close(q, flat(seen["q"]), "query (merged GEMM, head norm, rope)")
+        require_close(k, flat(seen["k"]), "key (merged GEMM, head norm, rope)")
+        require_close(v, flat(seen["v"]), "value (merged GEMM)")
+        out = getattr(module, spec.out_proj)(given[0].reshape(tokens, -1))
+        require_close(out, theirs[0], f"{spec.out_proj} on the attention output")

@@ -37,6 +37,7 @@ def _stream_arg(h: str) -> m.Arg:
 class Block:
     norm: str
     mixer: str
+    unpacks: bool  # `h, _ = self.<mixer>(...)`: the mixer returns a tuple
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ def _blocks(body: list[cst.BaseStatement], norm_attrs: set[str]):
         )
         if not m.matches(add, _assign(m.Name(h), added)):
             raise PatternRefused(f"`{_line(add)}` is not the plain residual add")
-        yield Block(norm_attr, mix.body[0].value.func.attr.value)
+        target = mix.body[0].targets[0].target
+        yield Block(norm_attr, mix.body[0].value.func.attr.value, isinstance(target, cst.Tuple))
 
 
 def _line(stmt: cst.BaseStatement) -> str:
@@ -93,3 +95,77 @@ def records(spec: LayerSpec) -> list[FusionRecord]:
         FusionRecord(NAME, spec.class_name, ("residual add", block.norm), block.norm, "RMSNorm(x, residual)")
         for block in spec.blocks
     ]
+
+
+# --- proof -------------------------------------------------------------------------
+# Dataflow: block by block, the norm and the add read the same saved stream (the
+# layer input, then the previous add), the mixer reads the norm output, and the
+# layer returns the last add. Numbers: the layer with its mixers replaced by fixed
+# stand-ins, against the fused layout the generated layer uses (add deferred into the
+# next norm, `norm(h, residual)` = `norm(h + residual), h + residual`).
+
+
+class _StandIn:
+    """A fixed nonlinear map standing in for a mixer (attention or MLP)."""
+
+    def __init__(self, size: int, seed: int, returns_tuple: bool):
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        self.weight = torch.randn(size, size, generator=gen) / size**0.5
+        self.returns_tuple = returns_tuple
+
+    def __call__(self, *args, **kwargs):
+        import torch
+
+        h = kwargs.get("hidden_states", args[0] if args else None)
+        out = torch.tanh(h @ self.weight)
+        return (out, None) if self.returns_tuple else out
+
+
+def prove(spec: LayerSpec, layer) -> None:
+    import torch
+
+    from .dataflow import require_close, single_call, trace
+
+    graph = trace(layer)
+    stream = next(n for n in graph.nodes if n.op == "placeholder")
+    for block in spec.blocks:
+        norm = single_call(graph, block.norm)
+        mixer = single_call(graph, block.mixer)
+        if norm.args[:1] != (stream,):
+            raise PatternRefused(f"self.{block.norm} does not read the residual stream")
+        if norm not in mixer.all_input_nodes:
+            raise PatternRefused(f"self.{block.mixer} does not read self.{block.norm}'s output")
+        adds = [u for u in stream.users if u.op == "call_function" and getattr(u.target, "__name__", "") == "add"]
+        if len(adds) != 1 or len(adds[0].all_input_nodes) != 2:
+            raise PatternRefused("the residual stream is not added exactly once per block")
+        stream = adds[0]
+    output = next(n for n in graph.nodes if n.op == "output")
+    if output.all_input_nodes != [stream]:
+        raise PatternRefused("the layer does not return the last residual add")
+
+    size = getattr(layer, spec.blocks[0].norm).weight.shape[-1]
+    saved = {b.mixer: getattr(layer, b.mixer) for b in spec.blocks}
+    try:
+        for i, block in enumerate(spec.blocks):
+            object.__setattr__(layer, block.mixer, _StandIn(size, i, block.unpacks))
+            layer._modules.pop(block.mixer, None)
+        with torch.no_grad():
+            x = torch.randn(1, 6, size, generator=torch.Generator().manual_seed(2))
+            theirs = layer(x)
+            h, residual = x, None
+            for block in spec.blocks:
+                norm = getattr(layer, block.norm)
+                if residual is None:
+                    residual, h = h, norm(h)
+                else:
+                    residual = h + residual
+                    h = norm(residual)
+                out = getattr(layer, block.mixer)(h)
+                h = out[0] if isinstance(out, tuple) else out
+            require_close(h + residual, theirs, f"{spec.class_name} with the residual add fused into the norms")
+    finally:
+        for name, module in saved.items():
+            object.__delattr__(layer, name) if name in layer.__dict__ else None
+            layer._modules[name] = module

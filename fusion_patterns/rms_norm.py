@@ -50,6 +50,7 @@ WEIGHT_AFTER_CAST = m.BinaryOperation(
 class NormSpec:
     class_name: str
     vllm_class: str  # "RMSNorm" | "GemmaRMSNorm"
+    eps_attr: str  # the attribute the forward reads eps from
     size_param: str
     eps_param: str
     eps_default: cst.BaseExpression | None
@@ -109,6 +110,7 @@ def _extract(info: ClassInfo) -> NormSpec:
     return NormSpec(
         class_name=info.name,
         vllm_class="GemmaRMSNorm" if unit_offset else "RMSNorm",
+        eps_attr=eps_attr,
         size_param=size[0].args[0].value.value,
         eps_param=eps_param,
         eps_default=default,
@@ -124,3 +126,55 @@ def is_norm_call(value: cst.BaseExpression, specs: dict[str, NormSpec]) -> NormS
     if isinstance(value, cst.Call):
         return specs.get(dotted_name(value.func) or "")
     return None
+
+
+# --- proof -------------------------------------------------------------------------
+# Dataflow: mean of squares over the last dim feeds rsqrt(. + eps), whose product with
+# the input is multiplied by the weight. Numbers: the module against vLLM's norm with
+# the same weight, with an eps large enough that its placement matters, in fp32 and (to
+# catch where the casts happen) in bf16, plain and with the fused residual add.
+PROOF_EPS = 0.37
+
+
+def _vllm_norm(spec: NormSpec, size: int, eps: float):
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+
+    return (GemmaRMSNorm if spec.vllm_class == "GemmaRMSNorm" else RMSNorm)(size, eps=eps)
+
+
+def prove(spec: NormSpec, module) -> None:
+    import torch
+
+    from .dataflow import require_close, trace
+
+    graph = trace(module)
+    ops = [str(n.target) if n.op != "call_function" else getattr(n.target, "__name__", "") for n in graph.nodes]
+    for needed in ("pow", "mean", "rsqrt"):
+        if needed not in ops:
+            raise PatternRefused(f"no `{needed}` in the traced forward")
+    eps_attr = spec.eps_attr
+    weight = module.weight
+    size = weight.shape[-1]
+    saved = getattr(module, eps_attr)
+    setattr(module, eps_attr, PROOF_EPS)
+    try:
+        with torch.no_grad():
+            ours = _vllm_norm(spec, size, PROOF_EPS)
+            ours.weight.copy_(weight.detach())
+            gen = torch.Generator().manual_seed(0)
+            x = 0.3 * torch.randn(3, 5, size, generator=gen)
+            r = 0.3 * torch.randn(3, 5, size, generator=gen)
+            require_close(ours.forward_native(x), module(x), "RMSNorm")
+            out, residual = ours.forward_native(x.clone(), r.clone())
+            require_close(residual, x + r, "fused residual add")
+            require_close(out, module(x + r), "fused residual add + norm")
+            # bf16: the same casts in the same places give the same bits
+            module_bf16 = type(module).__new__(type(module))
+            module_bf16.__dict__.update(module.__dict__)
+            module_bf16._parameters = {k: v.to(torch.bfloat16) for k, v in module._parameters.items()}
+            ours.to(torch.bfloat16)
+            xb = x.to(torch.bfloat16)
+            require_close(ours.forward_native(xb), module_bf16(xb), "RMSNorm in bf16 (cast order)", tol=1e-2)
+    finally:
+        setattr(module, eps_attr, saved)
+

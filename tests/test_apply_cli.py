@@ -24,7 +24,7 @@ def test_committed_qwen3_is_current():
 def test_out_writes_named_after_model_type_and_reports_fusions(tmp_path):
     result = run_cli("codemods.apply", QWEN3, "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
-    assert [p.name for p in tmp_path.iterdir()] == ["qwen3.py"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "qwen3.py"]
     assert (tmp_path / "qwen3.py").read_bytes() == COMMITTED.read_bytes()
     report = result.stderr.splitlines()
     assert "Fused: q_proj + k_proj + v_proj (Qwen3Attention) -> qkv_proj (QKVParallelLinear)" in report

@@ -36,17 +36,40 @@ def test_verify_qwen3(parallel):
     assert "mixed_layer_types" in out["features"] and "attention_bias" in out["features"]
 
 
-def test_verify_fails_on_a_wrong_model(tmp_path):
-    """The check can fail: drop o_proj's bias in a copy of the generated file."""
-    broken = tmp_path / "qwen3.py"
-    text = (REPO / "generated" / "qwen3.py").read_text()
-    o_proj = 'bias=config.attention_bias,\n            quant_config=quant_config,\n            prefix=f"{prefix}.o_proj"'
-    assert o_proj in text
-    broken.write_text(text.replace(o_proj, o_proj.replace("config.attention_bias", "False")))
-    rc, out = verify_json(str(broken))
-    assert rc == 1, out
-    assert out["ok"] is False and out["max_abs_logprob_diff"] > 1e-2
-    assert out["impl"].startswith("_verify_qwen3_")  # the broken copy is what ran
+def test_verify_all_prints_a_table_and_every_model_passes():
+    result = run_cli("codemods.verify", "--all")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("arch "))
+    assert "features on" in lines[header] and "max |dlogprob|" in lines[header]
+    rows = [json.loads(line) for line in lines if line.startswith("{")]
+    assert {r["arch"] for r in rows} == {p.stem for p in (REPO / "generated").glob("[!_]*.py")}
+    assert all(r["ok"] and r["fused"] > 0 for r in rows)
+
+
+def test_verify_a_published_config_with_overrides():
+    """Qwen3-8B's published config.json (legacy rope_theta field included), shrunk, with
+    yarn rope scaling switched on by --override."""
+    rc, out = verify_json(
+        "qwen3",
+        "--config",
+        str(REPO / "tests" / "data" / "qwen3-8b.config.json"),
+        "--override",
+        'rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}',
+        "--override",
+        "attention_bias=true",
+    )
+    assert rc == 0, out
+    assert out["ok"] and out["impl"] == "generated.qwen3:Qwen3ForCausalLM"
+    assert "rope_type=yarn" in out["features"] and "attention_bias" in out["features"]
+
+
+def test_bad_override_is_one_line_exit_2():
+    result = run_cli("codemods.verify", "qwen3", "--override", "attention_bias=yes")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: --override 'attention_bias=yes': the value is not JSON (strings need quotes)"
+    ]
 
 
 def test_full_forward_logits_match_transformers(qwen3_checkpoint, tmp_path):

@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 
 from ..plan import ModelPlan
-from . import attention, mlp, model
+from . import attention, copied, mlp, model
 
 # (module, names): only the names the emitted classes use are imported.
 IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collections.abc", ("Iterable",)),
+    ("transformers.activations", ("ACT2FN",)),
     ("itertools", ("islice",)),
     ("torch", ("nn",)),
     ("vllm.compilation.decorators", ("support_torch_compile",)),
@@ -20,7 +21,7 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vllm.model_executor.layers.layernorm", ("GemmaRMSNorm", "RMSNorm")),
     (
         "vllm.model_executor.layers.linear",
-        ("MergedColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear"),
+        ("ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear"),
     ),
     ("vllm.model_executor.layers.logits_processor", ("LogitsProcessor",)),
     ("vllm.model_executor.layers.quantization", ("QuantizationConfig",)),
@@ -48,7 +49,7 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 def imports_for(body: str) -> str:
     """Import lines for the names `body` uses, grouped stdlib / torch / vllm."""
-    groups: dict[str, list[str]] = {"std": [], "torch": ["import torch"], "vllm": []}
+    groups: dict[str, list[str]] = {"std": [], "torch": ["import torch"], "transformers": [], "vllm": []}
     for module, names in IMPORTS:
         used = [n for n in names if re.search(rf"\b{n}\b", body)]
         if used:
@@ -61,9 +62,14 @@ def emit_body(plan: ModelPlan) -> str:
     """Everything below the header: imports and the five classes, unformatted."""
     s = plan.structure
     attn_info = s.classes[s.attention.class_name]
-    mlp_info = s.classes[s.mlp.class_name]
+    mlp_info = s.classes[s.mlp_class]
+    if s.mlp is not None:
+        mlp_class = mlp.emit(mlp_info, s.mlp)
+    else:
+        mlp_class = mlp.emit_unfused(mlp_info, *s.mlp_sharding)
     classes = [
-        mlp.emit(mlp_info, s.mlp),
+        *copied.emit(s),
+        mlp_class,
         attention.emit(attn_info, s.attention, s.norms, s.neox_rotary),
         model.emit_layer(plan),
         model.emit_model(plan),

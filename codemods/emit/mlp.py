@@ -43,3 +43,49 @@ class {info.name}(nn.Module):
         x, _ = self.{spec.down}(self.{spec.act_attr}({spec.merged}))
         return x
 '''
+
+
+def emit_unfused(info: ClassInfo, columns: list[str], rows: list[str]) -> str:
+    """The source MLP as it is, with its projections sharded: the ones reading the input
+    column-parallel, the one producing the output row-parallel. Only elementwise ops
+    run between them (checked on the traced module), so the shards compose."""
+    from fusion_patterns.base import linear_args
+
+    def translate(attr: str, value: cst.BaseExpression) -> list[str] | None:
+        if attr in columns or attr in rows:
+            in_size, out_size, bias = linear_args(value)
+            cls = "ColumnParallelLinear" if attr in columns else "RowParallelLinear"
+            return [
+                f"self.{attr} = {cls}({code(in_size)}, {code(out_size)}, bias={code(bias)}, "
+                f'quant_config=quant_config, prefix=f"{{prefix}}.{attr}")'
+            ]
+        return None
+
+    body = translate_init(info, translate)
+    forward = code(info.forward.visit(_LinearOutputs(set(columns) | set(rows)))).strip("\n").splitlines()
+    return f'''
+class {info.name}(nn.Module):
+    # Not fused (see the report): the source's own forward on sharded projections.
+    def __init__({signature(info, MLP_EXTRAS)}) -> None:
+{indent(body)}
+
+{indent(forward, 1)}
+'''
+
+
+class _LinearOutputs(cst.CSTTransformer):
+    """`self.<linear>(x)` -> `self.<linear>(x)[0]`: vLLM linears return (out, bias)."""
+
+    def __init__(self, linears: set[str]):
+        self.linears = linears
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        func = original.func
+        if (
+            isinstance(func, cst.Attribute)
+            and isinstance(func.value, cst.Name)
+            and func.value.value == "self"
+            and func.attr.value in self.linears
+        ):
+            return cst.Subscript(value=updated, slice=[cst.SubscriptElement(cst.Index(cst.Integer("0")))])
+        return updated

@@ -4,6 +4,7 @@ causal LM (head, logits, weight loading), laid out as vLLM's native files are.""
 from __future__ import annotations
 
 import libcst as cst
+import libcst.matchers as m
 
 from fusion_patterns.base import code, linear_args
 
@@ -40,6 +41,8 @@ def emit_layer(plan: ModelPlan) -> str:
     prologue = ("layer_idx = extract_layer_index(prefix)",) if "layer_idx" in params else ()
     body = translate_init(layer, translate, prologue)
 
+    if s.layer_spec is None:
+        return _unfused_layer(plan, body)
     fwd: list[str] = []
     for i, block in enumerate(s.layer_spec.blocks):
         if i == 0:
@@ -70,12 +73,85 @@ class {layer.name}(nn.Module):
 '''
 
 
+def _unfused_layer(plan: ModelPlan, init_body: list[str]) -> str:
+    """The source layer's forward statement by statement, with the sublayer calls given
+    vLLM's signatures: the residual adds stay where the source has them."""
+    s = plan.structure
+    layer = s.layer
+    params = [p.name.value for p in layer.forward.params.params if p.name.value != "self"]
+    stream = params[0]
+    body = cst.Module(body=list(layer.forward.body.body)).visit(
+        _SublayerCalls({s.attn_attr: "attention", s.mlp_attr: "mlp"}, stream, set(params[1:]), layer.name)
+    )
+    lines = [line for line in body.code.strip("\n").splitlines()]
+    return f'''
+class {layer.name}(nn.Module):
+    # Residual adds not fused into the norms (see the report): the source's own layout.
+    def __init__({signature(layer, LAYER_EXTRAS, drop=("layer_idx",))}) -> None:
+{indent(init_body)}
+
+    def forward(self, positions: torch.Tensor, {stream}: torch.Tensor) -> torch.Tensor:
+{indent(lines)}
+'''
+
+
+class _SublayerCalls(cst.CSTTransformer):
+    """`h, _ = self.self_attn(hidden_states=h, mask=..., ...)` -> `h = self.self_attn(positions=positions, hidden_states=h)`."""
+
+    def __init__(self, kinds: dict[str, str], stream: str, other_params: set[str], owner: str):
+        self.kinds, self.stream, self.other_params, self.owner = kinds, stream, other_params, owner
+        self.in_call = 0
+
+    def leave_Assign(self, original: cst.Assign, updated: cst.Assign) -> cst.Assign:
+        value = updated.value
+        if m.matches(value, m.Call(func=m.Attribute(value=m.Name("self")))) and value.func.attr.value in self.kinds:
+            target = updated.targets[0].target
+            if isinstance(target, cst.Tuple):
+                target = target.elements[0].value
+            args = [a for a in value.args if not a.star and (a.keyword is None or a.keyword.value == "hidden_states")]
+            if len(args) != 1:
+                raise CodemodError(f"cannot generate: {self.owner} calls self.{value.func.attr.value} without one hidden-states argument")
+            hidden = code(args[0].value)
+            kind = self.kinds[value.func.attr.value]
+            call = (
+                f"self.{value.func.attr.value}(positions=positions, hidden_states={hidden})"
+                if kind == "attention"
+                else f"self.{value.func.attr.value}({hidden})"
+            )
+            return updated.with_changes(targets=[cst.AssignTarget(target)], value=cst.parse_expression(call))
+        return updated
+
+    def visit_Name(self, node: cst.Name) -> None:
+        if node.value in self.other_params:
+            raise CodemodError(f"cannot generate: {self.owner}.forward uses `{node.value}` outside its sublayer calls")
+
+    def visit_Call(self, node: cst.Call) -> bool:
+        # arguments of sublayer calls are rewritten, not checked
+        return not (m.matches(node.func, m.Attribute(value=m.Name("self"))) and node.func.attr.value in self.kinds)
+
+
 def emit_model(plan: ModelPlan) -> str:
     s = plan.structure
     base = s.base
     embed = base.attrs[s.embed_attr]
     vocab, hidden = (a.value for a in embed.args[:2])
-    norm = s.norms[base.constructed_class(s.final_norm_attr)]
+    norm = s.norms.get(base.constructed_class(s.final_norm_attr))
+    final_norm = norm_construction(norm, base.attrs[s.final_norm_attr]) if norm else code(base.attrs[s.final_norm_attr])
+    fused = s.layer_spec is not None
+    keys = '["hidden_states", "residual"]' if fused else '["hidden_states"]'
+    if fused:
+        start = "residual = None"
+        resume = 'hidden_states = intermediate_tensors["hidden_states"]\n            residual = intermediate_tensors["residual"]'
+        step = "hidden_states, residual = layer(positions, hidden_states, residual)"
+        send = '{"hidden_states": hidden_states, "residual": residual}'
+        finish = "# the last layer's residual add, fused into the final norm\n        hidden_states, _ = self.{n}(hidden_states, residual)"
+    else:
+        start = "pass"
+        resume = 'hidden_states = intermediate_tensors["hidden_states"]'
+        step = "hidden_states = layer(positions, hidden_states)"
+        send = '{"hidden_states": hidden_states}'
+        finish = "hidden_states = self.{n}(hidden_states)"
+    finish = finish.format(n=s.final_norm_attr)
     tied = plan.tied_embeddings
     first_rank = (
         "get_pp_group().is_first_rank or (config.tie_word_embeddings and get_pp_group().is_last_rank)"
@@ -113,11 +189,11 @@ class {base.name}(nn.Module):
             prefix=f"{{prefix}}.{s.layers_attr}",
         )
         if get_pp_group().is_last_rank:
-            self.{s.final_norm_attr} = {norm_construction(norm, base.attrs[s.final_norm_attr])}
+            self.{s.final_norm_attr} = {final_norm}
         else:
             self.{s.final_norm_attr} = PPMissingLayer()
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states", "residual"], {code(hidden)}
+            {keys}, {code(hidden)}
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -135,17 +211,15 @@ class {base.name}(nn.Module):
                 hidden_states = inputs_embeds
             else:
                 hidden_states = self.embed_input_ids(input_ids)
-            residual = None
+            {start}
         else:
             assert intermediate_tensors is not None
-            hidden_states = intermediate_tensors["hidden_states"]
-            residual = intermediate_tensors["residual"]
+            {resume}
         for layer in islice(self.{s.layers_attr}, self.start_layer, self.end_layer):
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            {step}
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({{"hidden_states": hidden_states, "residual": residual}})
-        # the last layer's residual add, fused into the final norm
-        hidden_states, _ = self.{s.final_norm_attr}(hidden_states, residual)
+            return IntermediateTensors({send})
+        {finish}
         return hidden_states
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

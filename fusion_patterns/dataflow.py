@@ -1,0 +1,78 @@
+"""Small helpers over torch.fx graphs and numbers, shared by the patterns' proofs.
+
+The graphs come from vLLM's own Transformers-backend tracer (every submodule a leaf,
+the attention interface one opaque call), so what is proven here is the same dataflow
+the backend would fuse at load time."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+
+from .base import PatternRefused
+
+REL_TOL = 1e-5
+
+
+def trace(module: nn.Module) -> fx.Graph:
+    from vllm.model_executor.models.transformers.fx_utils import trace as vllm_trace
+
+    graph = vllm_trace(module)
+    if graph is None:
+        raise PatternRefused(f"{type(module).__name__}.forward could not be traced")
+    return graph
+
+
+def module_calls(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    out: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            out.setdefault(str(node.target), []).append(node)
+    return out
+
+
+def single_call(graph: fx.Graph, name: str) -> fx.Node:
+    calls = module_calls(graph).get(name, [])
+    if len(calls) != 1:
+        raise PatternRefused(f"self.{name} is called {len(calls)} times in the traced forward")
+    return calls[0]
+
+
+def inputs_of(node: fx.Node) -> list[fx.Node]:
+    return list(node.all_input_nodes)
+
+
+def upstream_linears(node: fx.Node, root: nn.Module) -> set[str]:
+    """Names of the nn.Linear submodules whose outputs flow into `node`."""
+    seen, found, stack = set(), set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "call_module" and isinstance(root.get_submodule(str(current.target)), nn.Linear):
+            found.add(str(current.target))
+            continue
+        stack.extend(inputs_of(current))
+    return found
+
+
+def mutated_in_place(node: fx.Node) -> list[str]:
+    """In-place tensor methods (`x.add_(...)`) applied to `node`."""
+    return [
+        str(user.target)
+        for user in node.users
+        if user.op == "call_method" and str(user.target).endswith("_") and not str(user.target).startswith("__")
+    ]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12))
+
+
+def require_close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = REL_TOL) -> None:
+    if got.shape != want.shape:
+        raise PatternRefused(f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+    err = rel_err(got, want)
+    if not err <= tol:
+        raise PatternRefused(f"{what}: the fused form differs (max rel err {err:.1e} > {tol:.0e})")

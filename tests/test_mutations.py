@@ -1,0 +1,80 @@
+"""The mutation suite: every mutant ends refused (with its reason) or generated and
+verified equal to its mutated source in real vLLM. All mutants run in one process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import REPO
+from mutations import MUTANTS
+
+from codemods.source import transformers_root
+
+pytestmark = pytest.mark.engine
+SOURCE = next(transformers_root().glob("models/qwen3/modeling_qwen3.py")).read_text()
+
+
+def test_there_are_at_least_twenty_distinct_mutants():
+    assert len(MUTANTS) >= 20
+    assert len({m[0] for m in MUTANTS}) == len(MUTANTS)
+    for name, old, new, _ in MUTANTS:
+        assert SOURCE.count(old) >= 1, name
+        assert SOURCE.replace(old, new) != SOURCE, name
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mutants")
+    for name, old, new, _ in MUTANTS:
+        (root / name).mkdir()
+        (root / name / "modeling_qwen3.py").write_text(SOURCE.replace(old, new, 1))
+    script = textwrap.dedent(
+        f"""
+        import json, os
+        from pathlib import Path
+        from codemods.apply import generate, output_path
+        from codemods.errors import CodemodError
+        from codemods.verify import _safe_verify
+        for folder in sorted(Path({str(root)!r}).iterdir()):
+            try:
+                plan, text = generate(str(folder / "modeling_qwen3.py"), trust_remote_code=True)
+            except CodemodError as exc:
+                print("OUTCOME " + json.dumps({{"name": folder.name, "error": str(exc)}}), flush=True)
+                continue
+            out = output_path(plan, folder / "out")
+            out.parent.mkdir()
+            out.write_text(text)
+            code, result = _safe_verify(str(out), trust_remote_code=True)
+            print("OUTCOME " + json.dumps({{"name": folder.name, "report": plan.report(), "code": code, **result}}), flush=True)
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=1800)
+    found = {}
+    for line in run.stdout.splitlines():
+        if line.startswith("OUTCOME "):
+            outcome = json.loads(line[len("OUTCOME "):])
+            found[outcome["name"]] = outcome
+    assert len(found) == len(MUTANTS), run.stderr[-3000:]
+    return found
+
+
+@pytest.mark.parametrize("name,expectation", [(m[0], m[3]) for m in MUTANTS], ids=[m[0] for m in MUTANTS])
+def test_mutant(outcomes, name, expectation):
+    outcome = outcomes[name]
+    kind, detail = expectation
+    if kind == "refused":
+        assert "error" in outcome, outcome
+        assert detail in outcome["error"] and "\n" not in outcome["error"]
+        return
+    assert "error" not in outcome or outcome.get("code") == 0, outcome
+    refusals = [line for line in outcome["report"] if line.startswith("Refused:")]
+    assert len(refusals) == len(detail), refusals
+    for fragment in detail:
+        assert any(fragment in line for line in refusals), (fragment, refusals)
+    assert outcome["code"] == 0 and outcome["ok"], outcome
+    assert outcome["impl"].startswith("_verify_qwen3_")
