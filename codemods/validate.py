@@ -9,6 +9,7 @@ is emitted unfused (still correct), or, for the attention, nothing is written.
 
 from __future__ import annotations
 
+
 from fusion_patterns import glu, qkv, residual_norm, rms_norm
 from fusion_patterns.base import PatternRefused, Refusal
 

@@ -128,9 +128,12 @@ def _verify_generated(path: Path, tp, pp, overrides, config_json, trust_remote_c
     raw = None
     if config_json is not None:
         raw = tiny.shrink(config_json, overrides)
+        adjusted = tiny.fit_parallel(raw, tp, pp)
         config = config_cls.from_dict(raw)
     else:
-        config = tiny.tiny_config(config_cls, overrides)
+        values = tiny.tiny_values(config_cls, overrides)
+        adjusted = tiny.fit_parallel(values, tp, pp)
+        config = config_cls(**values)
     result = {
         "arch": path.stem,
         "impl": None,
@@ -140,6 +143,10 @@ def _verify_generated(path: Path, tp, pp, overrides, config_json, trust_remote_c
         "fused": int(header["fused"]),
         "refused": int(header["refused"]),
     }
+    if adjusted:
+        result["adjusted"] = adjusted
+        for note in adjusted:
+            print(f"note: {note}", file=sys.stderr)
     expected_module = f"generated.{path.stem}"
     with tempfile.TemporaryDirectory(prefix=f"verify-{path.stem}-") as tmp:
         if path.resolve().parent != GENERATED:

@@ -36,6 +36,12 @@ def test_verify_qwen3(parallel):
     assert "mixed_layer_types" in out["features"] and "attention_bias" in out["features"]
 
 
+def test_kv_heads_replicated_when_fewer_than_ranks():
+    rc, out = verify_json("qwen3", "--tp", "2", "--override", "num_key_value_heads=1")
+    assert rc == 0 and out["ok"], out
+    assert out["tp"] == 2 and out["impl"] == "generated.qwen3:Qwen3ForCausalLM"
+
+
 def test_verify_all_prints_a_table_and_every_model_passes():
     result = run_cli("codemods.verify", "--all")
     assert result.returncode == 0, result.stderr[-2000:]
