@@ -23,7 +23,7 @@ HEAD_DIM = 64
 VOCAB = 512
 SIZES = {
     "vocab_size": VOCAB,
-    "hidden_size": 256,
+    "hidden_size": 320,  # not heads * head_dim: catches a head size derived the wrong way
     "intermediate_size": 688,
     "num_hidden_layers": 4,
     "num_attention_heads": 4,

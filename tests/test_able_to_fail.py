@@ -14,36 +14,57 @@ from conftest import REPO
 
 pytestmark = pytest.mark.engine
 
-# (name, text in generated/qwen3.py, replacement): each switches one feature off.
+# (model, name, text in generated/<model>.py, replacement): each switches one feature off.
 MUTATIONS = [
     (
+        "qwen3",
         "o_proj bias dropped",
         'bias=config.attention_bias,\n            quant_config=quant_config,\n            prefix=f"{prefix}.o_proj"',
         'bias=False,\n            quant_config=quant_config,\n            prefix=f"{prefix}.o_proj"',
     ),
     (
+        "qwen3",
         "q norm dropped",
         "q = self.q_norm(q.view(-1, self.num_heads, self.head_dim)).view(q.shape)\n",
         "",
     ),
-    ("sliding window dropped", "per_layer_sliding_window=self.sliding_window,", ""),
+    ("qwen3", "sliding window dropped", "per_layer_sliding_window=self.sliding_window,", ""),
     (
+        "qwen3",
         "tied head untied",
         "self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)",
         "pass",
+    ),
+    (
+        "llama",
+        "gate/up bias dropped",
+        "[self.intermediate_size, self.intermediate_size],\n            bias=config.mlp_bias,",
+        "[self.intermediate_size, self.intermediate_size],\n            bias=False,",
+    ),
+    (
+        "mistral",
+        "sliding window dropped",
+        'per_layer_sliding_window=getattr(self.config, "sliding_window", None),',
+        "",
+    ),
+    (
+        "qwen2",
+        "qkv bias dropped",
+        "self.total_num_kv_heads,\n            bias=True,",
+        "self.total_num_kv_heads,\n            bias=False,",
     ),
 ]
 
 
 def test_verification_fails_for_each_feature_switched_off(tmp_path):
-    original = (REPO / "generated" / "qwen3.py").read_text()
     paths = []
-    for i, (name, old, new) in enumerate(MUTATIONS):
+    for i, (model, name, old, new) in enumerate(MUTATIONS):
+        original = (REPO / "generated" / f"{model}.py").read_text()
         assert original.count(old) == 1, name
         folder = tmp_path / f"m{i}"
         folder.mkdir()
-        (folder / "qwen3.py").write_text(original.replace(old, new))
-        paths.append(str(folder / "qwen3.py"))
+        (folder / f"{model}.py").write_text(original.replace(old, new))
+        paths.append(str(folder / f"{model}.py"))
     script = textwrap.dedent(
         f"""
         import json
@@ -56,10 +77,10 @@ def test_verification_fails_for_each_feature_switched_off(tmp_path):
     run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=900)
     results = [json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(results) == len(MUTATIONS), run.stderr[-3000:]
-    for (name, _, _), result in zip(MUTATIONS, results):
-        assert result["ok"] is False, (name, result)
+    for (model, name, _, _), result in zip(MUTATIONS, results):
+        assert result["ok"] is False, (model, name, result)
         if result["code"] == 1:  # it ran: the copy ran, and the numbers differ
-            assert result["impl"].startswith("_verify_qwen3_"), (name, result)
+            assert result["impl"].startswith(f"_verify_{model}_"), (name, result)
             assert result["max_abs_logprob_diff"] > 1e-3 or not result["tokens_equal"], (name, result)
         else:  # it refused to run: say why
             assert result["code"] == 2 and result["error"], (name, result)
