@@ -23,15 +23,19 @@ def private_cache(tmp_path, monkeypatch):
 def copy_generated(tmp_path):
     out = tmp_path / "generated"
     out.mkdir()
-    for name in ("qwen3.py", "manifest.json"):
-        shutil.copy(GENERATED / name, out / name)
+    for path in GENERATED.iterdir():
+        if path.suffix in (".py", ".json") and not path.name.startswith("_"):
+            shutil.copy(path, out / path.name)
     return out
+
+
+MODELS = len([p for p in GENERATED.glob("*.py") if not p.name.startswith("_")])
 
 
 def test_main_is_current_and_the_second_run_is_cached(tmp_path):
     first = run_cli("codemods.check")
     assert first.returncode == 0, first.stderr[-2000:]
-    assert first.stderr.strip().splitlines()[-1] == "All done! 1 file current."
+    assert first.stderr.strip().splitlines()[-1] == f"All done! {MODELS} files current."
     assert "\r" not in first.stderr  # no progress line outside a terminal
     second = run_cli("codemods.check")
     assert second.returncode == 0
@@ -46,7 +50,7 @@ def test_a_hand_edit_fails_with_a_diff_and_fix_restores_it(tmp_path):
     assert result.returncode == 1
     assert f"would regenerate {edited} (edited by hand or stale); regenerate with: python -m codemods.apply modeling_qwen3.py" in result.stderr
     assert "-        return output * 1.0" in result.stdout and "+        return output" in result.stdout
-    assert result.stderr.strip().splitlines()[-1] == "Oh no! 1 file would be regenerated."
+    assert result.stderr.strip().splitlines()[-1] == f"Oh no! 1 file would be regenerated, {MODELS - 1} files current."
     fixed = run_cli("codemods.check", "--generated", str(out), "--fix")
     assert fixed.returncode == 0
     assert edited.read_bytes() == (GENERATED / "qwen3.py").read_bytes()
