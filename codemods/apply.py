@@ -22,6 +22,7 @@ from .structure import analyse
 from .logs import quiet_vllm_logging
 from .validate import validate
 
+
 def generate(name: str, trust_remote_code: bool = False) -> tuple[ModelPlan, str]:
     """The plan and the full text of the generated file for one modeling file:
     source -> match -> validate -> plan -> emit -> render."""
@@ -36,12 +37,28 @@ def output_path(model_plan: ModelPlan, out_dir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m codemods.apply", description=__doc__.splitlines()[0])
-    parser.add_argument("source", help="modeling_<type>.py: a bare name (installed transformers) or a path")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: generated/)")
+    parser = argparse.ArgumentParser(
+        prog="python -m codemods.apply", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "source",
+        help="modeling_<type>.py: a bare name (installed transformers) or a path",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="output folder (default: generated/)",
+    )
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="write nothing; exit 1 if the file would change")
-    mode.add_argument("--diff", action="store_true", help="print the unified diff; write nothing")
+    mode.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if the file would change",
+    )
+    mode.add_argument(
+        "--diff", action="store_true", help="print the unified diff; write nothing"
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="no fusion report")
     parser.add_argument(
         "--accept-lost-fusions",
@@ -86,10 +103,19 @@ def main(argv: list[str] | None = None) -> int:
     old_manifest = manifest.render(recorded) if recorded else ""
     if args.diff:
         sys.stdout.write(unified_diff(old, text, path))
-        sys.stdout.write(unified_diff(old_manifest, new_manifest, args.out / manifest.NAME))
+        sys.stdout.write(
+            unified_diff(old_manifest, new_manifest, args.out / manifest.NAME)
+        )
         return 0
     if args.check:
-        stale = [p for p, a, b in ((path, old, text), (args.out / manifest.NAME, old_manifest, new_manifest)) if a != b]
+        stale = [
+            p
+            for p, a, b in (
+                (path, old, text),
+                (args.out / manifest.NAME, old_manifest, new_manifest),
+            )
+            if a != b
+        ]
         for p in stale:
             print(f"would regenerate {p}", file=sys.stderr)
         if not stale:

@@ -88,7 +88,9 @@ def sha(text: str | bytes) -> str:
     return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
 
 
-def regenerate(key: str, display: str, path: Path, recorded: dict, trust_remote_code: bool) -> Outcome:
+def regenerate(
+    key: str, display: str, path: Path, recorded: dict, trust_remote_code: bool
+) -> Outcome:
     """Regenerate one model in memory and compare it with the file and manifest entry."""
     from .apply import generate
 
@@ -104,7 +106,9 @@ def regenerate(key: str, display: str, path: Path, recorded: dict, trust_remote_
     lost = manifest.lost_fusions(recorded, outcome.entry)
     if lost:
         outcome.status = "stale"
-        outcome.messages.append(f"{key}: lost fusions recorded in {manifest.NAME}: {'; '.join(lost)}")
+        outcome.messages.append(
+            f"{key}: lost fusions recorded in {manifest.NAME}: {'; '.join(lost)}"
+        )
     try:
         old = path.read_text(encoding="utf-8") if path.exists() else None
     except (OSError, UnicodeDecodeError) as exc:
@@ -113,11 +117,19 @@ def regenerate(key: str, display: str, path: Path, recorded: dict, trust_remote_
         return outcome
     if old is None:
         outcome.status = "stale"
-        outcome.messages.append(f"would regenerate {path} (missing); regenerate with: {command}")
+        outcome.messages.append(
+            f"would regenerate {path} (missing); regenerate with: {command}"
+        )
     elif old != text:
         outcome.status = "stale"
-        hint = "edited by hand or stale" if manifest_marker(old) else "its generated header is damaged"
-        outcome.messages.append(f"would regenerate {path} ({hint}); regenerate with: {command}")
+        hint = (
+            "edited by hand or stale"
+            if manifest_marker(old)
+            else "its generated header is damaged"
+        )
+        outcome.messages.append(
+            f"would regenerate {path} ({hint}); regenerate with: {command}"
+        )
         outcome.diff = unified_diff(old, text, path)
     if outcome.entry != recorded:
         outcome.status = "stale" if outcome.status == "current" else outcome.status
@@ -134,14 +146,24 @@ def _regenerate_star(args) -> Outcome:
     return regenerate(*args)
 
 
-def check(out_dir: Path, fix: bool, jobs: int, trust_remote_code: bool, accept_lost: bool, quiet: bool) -> int:
+def check(
+    out_dir: Path,
+    fix: bool,
+    jobs: int,
+    trust_remote_code: bool,
+    accept_lost: bool,
+    quiet: bool,
+) -> int:
     try:
         recorded = manifest.read(out_dir)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not recorded:
-        print(f"error: {out_dir / manifest.NAME}: no manifest (generate a model with python -m codemods.apply)", file=sys.stderr)
+        print(
+            f"error: {out_dir / manifest.NAME}: no manifest (generate a model with python -m codemods.apply)",
+            file=sys.stderr,
+        )
         return 2
     outcomes: list[Outcome] = []
     todo = []
@@ -152,25 +174,51 @@ def check(out_dir: Path, fix: bool, jobs: int, trust_remote_code: bool, accept_l
         display = entry.get("source", "")
         src = source_path(display)
         if not display or not src.is_file():
-            outcomes.append(Outcome(key, path, "error", [f"error: {key}: its source {display or '?'} no longer exists (restore it, or remove {key} from {manifest.NAME})"]))
+            outcomes.append(
+                Outcome(
+                    key,
+                    path,
+                    "error",
+                    [
+                        f"error: {key}: its source {display or '?'} no longer exists (restore it, or remove {key} from {manifest.NAME})"
+                    ],
+                )
+            )
             continue
         cache_key = sha(f"{out_dir.resolve()}|{key}|{sha(src.read_bytes())}|{versions}")
         try:
             on_disk = sha(path.read_bytes()) if path.exists() else None
         except OSError:
             on_disk = None
-        if on_disk and cache.get(cache_key) == [on_disk, sha(json.dumps(entry, sort_keys=True))]:
+        if on_disk and cache.get(cache_key) == [
+            on_disk,
+            sha(json.dumps(entry, sort_keys=True)),
+        ]:
             outcomes.append(Outcome(key, path, "current"))
             continue
         todo.append((key, display, path, entry, trust_remote_code, cache_key))
-    for extra in sorted(set(p.stem for p in out_dir.glob("*.py") if not p.name.startswith("_")) - set(recorded)):
-        outcomes.append(Outcome(extra, out_dir / f"{extra}.py", "stale", [f"{out_dir / extra}.py is not in {manifest.NAME}; regenerate it with python -m codemods.apply, or delete it"]))
+    for extra in sorted(
+        set(p.stem for p in out_dir.glob("*.py") if not p.name.startswith("_"))
+        - set(recorded)
+    ):
+        outcomes.append(
+            Outcome(
+                extra,
+                out_dir / f"{extra}.py",
+                "stale",
+                [
+                    f"{out_dir / extra}.py is not in {manifest.NAME}; regenerate it with python -m codemods.apply, or delete it"
+                ],
+            )
+        )
 
     progress = sys.stderr.isatty() and not os.environ.get("CI")
     results: list[Outcome] = []
     if jobs > 1 and len(todo) > 1:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            for i, outcome in enumerate(pool.map(_regenerate_star, [t[:5] for t in todo]), 1):
+            for i, outcome in enumerate(
+                pool.map(_regenerate_star, [t[:5] for t in todo]), 1
+            ):
                 _progress(progress, i, len(todo), outcome.key)
                 results.append(outcome)
     else:
@@ -197,8 +245,14 @@ def check(out_dir: Path, fix: bool, jobs: int, trust_remote_code: bool, accept_l
         for o in stale:
             if o.text is None:
                 continue
-            if manifest.lost_fusions(recorded.get(o.key, {}), o.entry) and not accept_lost:
-                print(f"not fixing {o.path}: it loses recorded fusions (pass --accept-lost-fusions)", file=sys.stderr)
+            if (
+                manifest.lost_fusions(recorded.get(o.key, {}), o.entry)
+                and not accept_lost
+            ):
+                print(
+                    f"not fixing {o.path}: it loses recorded fusions (pass --accept-lost-fusions)",
+                    file=sys.stderr,
+                )
                 continue
             write_atomic(o.path, o.text)
             new_manifest[o.key] = o.entry
@@ -218,7 +272,10 @@ def check(out_dir: Path, fix: bool, jobs: int, trust_remote_code: bool, accept_l
         )
         if part
     )
-    print(("Oh no! " if (stale and not fix) or errors else "All done! ") + summary + ".", file=sys.stderr)
+    print(
+        ("Oh no! " if (stale and not fix) or errors else "All done! ") + summary + ".",
+        file=sys.stderr,
+    )
     if errors:
         return 2
     return 1 if stale and not fix else 0
@@ -226,20 +283,51 @@ def check(out_dir: Path, fix: bool, jobs: int, trust_remote_code: bool, accept_l
 
 def _progress(enabled: bool, i: int, n: int, key: str) -> None:
     if enabled:
-        print(f"\r\033[K[{i}/{n}] regenerating {key}...", end="", file=sys.stderr, flush=True)
+        print(
+            f"\r\033[K[{i}/{n}] regenerating {key}...",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m codemods.check", description=__doc__.splitlines()[0])
-    parser.add_argument("--generated", type=Path, default=DEFAULT_OUT, help="folder of generated files and manifest.json")
-    parser.add_argument("--fix", action="store_true", help="rewrite stale files and the manifest")
-    parser.add_argument("--accept-lost-fusions", action="store_true", help="with --fix: also rewrite files that lose fusions")
-    parser.add_argument("-j", "--jobs", type=int, default=1, help="regenerate in this many processes")
+    parser = argparse.ArgumentParser(
+        prog="python -m codemods.check", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--generated",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="folder of generated files and manifest.json",
+    )
+    parser.add_argument(
+        "--fix", action="store_true", help="rewrite stale files and the manifest"
+    )
+    parser.add_argument(
+        "--accept-lost-fusions",
+        action="store_true",
+        help="with --fix: also rewrite files that lose fusions",
+    )
+    parser.add_argument(
+        "-j", "--jobs", type=int, default=1, help="regenerate in this many processes"
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="no diffs")
-    parser.add_argument("--trust-remote-code", action="store_true", help="allow sources outside the installed transformers")
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow sources outside the installed transformers",
+    )
     args = parser.parse_args(argv)
     quiet_vllm_logging()
-    return check(args.generated, args.fix, args.jobs, args.trust_remote_code, args.accept_lost_fusions, args.quiet)
+    return check(
+        args.generated,
+        args.fix,
+        args.jobs,
+        args.trust_remote_code,
+        args.accept_lost_fusions,
+        args.quiet,
+    )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ def set_cpu_env(tp: int, pp: int) -> None:
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # for apply_model
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp * pp)))
+        os.environ.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp * pp))
+        )
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
@@ -39,7 +41,10 @@ def _llm(model_dir: str, arch: str, tp: int, pp: int, **extra):
     if pp > 1:
         # PP=2 with enforce_eager crashes in 0.32 on CPU (the warm-up that allocates the
         # intermediate-tensor buffer is skipped); compile mode with the eager backend works.
-        kwargs = {"enforce_eager": False, "compilation_config": {"mode": 2, "backend": "eager"}}
+        kwargs = {
+            "enforce_eager": False,
+            "compilation_config": {"mode": 2, "backend": "eager"},
+        }
     else:
         kwargs = {"enforce_eager": True}
     return LLM(
@@ -56,7 +61,9 @@ def _llm(model_dir: str, arch: str, tp: int, pp: int, **extra):
     )
 
 
-def prompt_logits(model_dir: str, arch: str, prompts: list[list[int]]) -> tuple[str, list]:
+def prompt_logits(
+    model_dir: str, arch: str, prompts: list[list[int]]
+) -> tuple[str, list]:
     """(class that ran, raw logits [len(prompt) - 1, vocab] per prompt): every vocabulary
     entry at every prompt position, from one real engine forward per prompt."""
     import torch
@@ -66,20 +73,33 @@ def prompt_logits(model_dir: str, arch: str, prompts: list[list[int]]) -> tuple[
     llm = _llm(model_dir, arch, 1, 1, max_logprobs=-1, logprobs_mode="raw_logits")
     try:
         impl = llm.apply_model(model_class_name)[0]
-        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=-1, detokenize=False)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        params = SamplingParams(
+            temperature=0, max_tokens=1, prompt_logprobs=-1, detokenize=False
+        )
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
         logits = []
         for out in outs:
             rows = out.prompt_logprobs[1:]
             vocab = len(rows[0])
-            logits.append(torch.tensor([[row[t].logprob for t in range(vocab)] for row in rows]))
+            logits.append(
+                torch.tensor([[row[t].logprob for t in range(vocab)] for row in rows])
+            )
     finally:
         del llm
         cleanup_dist_env_and_memory()
     return impl, logits
 
 
-def run(model_dir: str, arch: str, prompts: list[list[int]], max_tokens: int, tp: int = 1, pp: int = 1) -> EngineResult:
+def run(
+    model_dir: str,
+    arch: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    tp: int = 1,
+    pp: int = 1,
+) -> EngineResult:
     from vllm import SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
@@ -94,12 +114,16 @@ def run(model_dir: str, arch: str, prompts: list[list[int]], max_tokens: int, tp
             detokenize=False,
             ignore_eos=True,
         )
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
         tokens, logprobs = [], []
         for prompt, out in zip(prompts, outs):
             gen = list(out.outputs[0].token_ids)
             seq = prompt + gen
-            row = [out.prompt_logprobs[i][seq[i]].logprob for i in range(1, len(prompt))]
+            row = [
+                out.prompt_logprobs[i][seq[i]].logprob for i in range(1, len(prompt))
+            ]
             row += [lp[tok].logprob for tok, lp in zip(gen, out.outputs[0].logprobs)]
             tokens.append(gen)
             logprobs.append(row)

@@ -27,7 +27,10 @@ def write_atomic(path: Path, text: str) -> None:
 def unified_diff(old: str, new: str, path: Path) -> str:
     return "".join(
         difflib.unified_diff(
-            old.splitlines(keepends=True), new.splitlines(keepends=True), f"a/{path.name}", f"b/{path.name}"
+            old.splitlines(keepends=True),
+            new.splitlines(keepends=True),
+            f"a/{path.name}",
+            f"b/{path.name}",
         )
     )
 

@@ -20,7 +20,9 @@ from .errors import CodemodError
 from .source import ModelSource, transformers_root
 
 
-def load_module(source: ModelSource, trust_remote_code: bool = False) -> types.ModuleType:
+def load_module(
+    source: ModelSource, trust_remote_code: bool = False
+) -> types.ModuleType:
     if source.in_transformers:
         return importlib.import_module(source.import_name)
     if not trust_remote_code:
@@ -36,7 +38,9 @@ def load_module(source: ModelSource, trust_remote_code: bool = False) -> types.M
     if package not in sys.modules:
         pkg = types.ModuleType(package)
         installed = transformers_root() / "models" / source.model_type
-        pkg.__path__ = [str(source.path.parent)] + ([str(installed)] if installed.is_dir() else [])
+        pkg.__path__ = [str(source.path.parent)] + (
+            [str(installed)] if installed.is_dir() else []
+        )
         pkg.__package__ = package
         sys.modules[package] = pkg
     spec = importlib.util.spec_from_file_location(name, source.path)
@@ -46,11 +50,15 @@ def load_module(source: ModelSource, trust_remote_code: bool = False) -> types.M
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise CodemodError(f"{source.display}: cannot be imported: {type(exc).__name__}: {exc}") from None
+        raise CodemodError(
+            f"{source.display}: cannot be imported: {type(exc).__name__}: {exc}"
+        ) from None
     return module
 
 
-def model_classes(source: ModelSource, causal_name: str, trust_remote_code: bool = False):
+def model_classes(
+    source: ModelSource, causal_name: str, trust_remote_code: bool = False
+):
     """The transformers causal-LM class of `source` (and, through it, its config class)."""
     module = load_module(source, trust_remote_code)
     try:

@@ -53,7 +53,8 @@ class ModelPlan:
 
     def stacked_params(self) -> list[tuple[str, str, ShardId]]:
         """(checkpoint substring, merged substring, shard id), scoped to the owning module
-        so a same-named projection elsewhere (an expert's `gate_proj`) is never caught."""
+        so a same-named projection elsewhere (an expert's `gate_proj`) is never caught.
+        """
         return [
             (f".{r.scope}.{source}.", f".{r.scope}.{r.target}.", shard)
             for r in self.stacked()
@@ -61,7 +62,9 @@ class ModelPlan:
         ]
 
     def report(self) -> list[str]:
-        return [r.describe() for r in self.records] + [r.describe() for r in self.refusals]
+        return [r.describe() for r in self.records] + [
+            r.describe() for r in self.refusals
+        ]
 
 
 def plan(structure: ModelStructure) -> ModelPlan:

@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 
-def register_external(generated_file: Path, causal_name: str, workdir: Path) -> tuple[str, str]:
+def register_external(
+    generated_file: Path, causal_name: str, workdir: Path
+) -> tuple[str, str]:
     """(architecture name, module name) under which `generated_file` is registered."""
     token = hashlib.sha256(generated_file.read_bytes()).hexdigest()[:12]
     module = f"_verify_{generated_file.stem}_{token}"
@@ -30,12 +32,16 @@ def register_external(generated_file: Path, causal_name: str, workdir: Path) -> 
     )
     dist_info = workdir / f"{module}_plugin-0.0.dist-info"
     dist_info.mkdir(exist_ok=True)
-    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}-plugin\nVersion: 0.0\n")
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {module}-plugin\nVersion: 0.0\n"
+    )
     (dist_info / "entry_points.txt").write_text(
         f"[vllm.general_plugins]\n{module} = {module}_plugin:register\n"
     )
     sys.path.insert(0, str(workdir))
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(workdir), os.environ.get("PYTHONPATH")]))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(workdir), os.environ.get("PYTHONPATH")])
+    )
     importlib.invalidate_caches()
     # this process may have run its plugins already
     importlib.import_module(f"{module}_plugin").register()

@@ -53,5 +53,7 @@ def render(plan: ModelPlan, body: str) -> str:
     try:
         formatted = black.format_str(doc + body, mode=black.Mode())
     except black.InvalidInput as exc:  # an emitter bug: never write it
-        raise CodemodError(f"internal error: emitted code does not parse: {exc}") from None
+        raise CodemodError(
+            f"internal error: emitted code does not parse: {exc}"
+        ) from None
     return header(plan) + formatted

@@ -52,7 +52,9 @@ def resolve(name: str) -> Path:
         found = sorted(transformers_root().glob(f"models/*/{name}"))
         if found:
             return found[0]
-        raise CodemodError(f"{name}: no such file, and the installed transformers has no {name}")
+        raise CodemodError(
+            f"{name}: no such file, and the installed transformers has no {name}"
+        )
     raise CodemodError(f"{name}: no such file")
 
 
@@ -70,7 +72,9 @@ def load(name: str) -> ModelSource:
     try:
         ast.parse(text, filename=str(path))
     except SyntaxError as exc:
-        raise CodemodError(f"{path}:{exc.lineno}:{exc.offset}: syntax error: {exc.msg}") from None
+        raise CodemodError(
+            f"{path}:{exc.lineno}:{exc.offset}: syntax error: {exc.msg}"
+        ) from None
     try:
         module = cst.parse_module(text)
     except cst.ParserSyntaxError as exc:
@@ -81,7 +85,9 @@ def load(name: str) -> ModelSource:
     root = transformers_root()
     in_transformers = resolved.is_relative_to(root)
     display = (
-        f"transformers/{resolved.relative_to(root).as_posix()}" if in_transformers else str(path)
+        f"transformers/{resolved.relative_to(root).as_posix()}"
+        if in_transformers
+        else str(path)
     )
     match = MODELING_NAME.fullmatch(path.name)
     return ModelSource(

@@ -22,7 +22,14 @@ from .source import ModelSource
 # torch.cat((-x2, x1), dim=-1): rotate_half over the two halves (GPT-NeoX style rotary)
 NEOX_ROTATE = m.Call(
     func=m.Attribute(value=m.Name("torch"), attr=m.Name("cat")),
-    args=[m.Arg(m.Tuple([m.Element(m.UnaryOperation(operator=m.Minus())), m.Element(m.Name())])), m.ZeroOrMore()],
+    args=[
+        m.Arg(
+            m.Tuple(
+                [m.Element(m.UnaryOperation(operator=m.Minus())), m.Element(m.Name())]
+            )
+        ),
+        m.ZeroOrMore(),
+    ],
 )
 
 
@@ -55,7 +62,9 @@ class ModelStructure:
     # (column-parallel, row-parallel) projections of an unfused MLP, set by validation
     mlp_sharding: tuple[list[str], list[str]] | None = None
 
-    def norm_attrs(self, owner: ClassInfo, *, proven_only: bool = True) -> dict[str, str]:
+    def norm_attrs(
+        self, owner: ClassInfo, *, proven_only: bool = True
+    ) -> dict[str, str]:
         """{attr: norm class} of the norms `owner` builds."""
         wanted = set(self.norms) if proven_only else self.norm_like
         return _builders(owner, wanted)
@@ -72,7 +81,8 @@ class ModelStructure:
 
 def cannot_generate(refusals: list[Refusal], why: str) -> CodemodError:
     """One line naming the refusal that stopped generation, latest first, then the rest
-    (an earlier refusal is often the cause: a norm class refused makes its users fail)."""
+    (an earlier refusal is often the cause: a norm class refused makes its users fail).
+    """
     lines = [r.describe() for r in reversed(refusals)]
     return CodemodError(f"cannot generate: {'; after '.join(lines)} ({why})")
 
@@ -88,7 +98,12 @@ def class_infos(module: cst.Module) -> dict[str, ClassInfo]:
         init = methods.get("__init__")
         attrs: dict[str, cst.BaseExpression] = {}
         if init is not None:
-            for assign in m.findall(init, m.Assign(targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self")))])):
+            for assign in m.findall(
+                init,
+                m.Assign(
+                    targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self")))]
+                ),
+            ):
                 attrs.setdefault(assign.targets[0].target.attr.value, assign.value)
         out[node.name.value] = ClassInfo(
             node=node,
@@ -110,14 +125,19 @@ def _module_list_of(value: cst.BaseExpression, cls: str) -> cst.BaseExpression |
     """`nn.ModuleList([Cls(...) for i in range(N)])` -> N."""
     found = m.findall(
         value,
-        m.ListComp(elt=m.Call(func=m.Name(cls)), for_in=m.CompFor(iter=m.Call(func=m.Name("range"), args=[m.Arg()]))),
+        m.ListComp(
+            elt=m.Call(func=m.Name(cls)),
+            for_in=m.CompFor(iter=m.Call(func=m.Name("range"), args=[m.Arg()])),
+        ),
     )
     return found[0].for_in.iter.args[0].value if found else None
 
 
 def _one(kind: str, found: list, source: ModelSource):
     if not found:
-        raise CodemodError(f"{source.display}: no {kind} found (is this a transformers causal LM modeling file?)")
+        raise CodemodError(
+            f"{source.display}: no {kind} found (is this a transformers causal LM modeling file?)"
+        )
     return found[0]
 
 
@@ -152,11 +172,18 @@ def analyse(source: ModelSource) -> ModelStructure:
     others = {n for n in classes if n not in attentions and n not in norm_like}
     mlp_attrs = list(_builders(layer, others).items())
     if len(mlp_attrs) != 1:
-        raise CodemodError(f"cannot generate: {layer.name} builds {len(mlp_attrs)} sublayers besides attention, expected one MLP")
+        raise CodemodError(
+            f"cannot generate: {layer.name} builds {len(mlp_attrs)} sublayers besides attention, expected one MLP"
+        )
     mlp_attr, mlp_cls = mlp_attrs[0]
     mlp = glu.match(classes[mlp_cls])
     if mlp is None:
-        mlp = Refusal(glu.NAME, mlp_cls, "gate/up projections", "forward has no `down(act(gate(x)) * up(x))` product")
+        mlp = Refusal(
+            glu.NAME,
+            mlp_cls,
+            "gate/up projections",
+            "forward has no `down(act(gate(x)) * up(x))` product",
+        )
     if isinstance(mlp, Refusal):
         refusals.append(mlp)
         mlp = None
@@ -165,16 +192,28 @@ def analyse(source: ModelSource) -> ModelStructure:
     for info in classes.values():
         for attr, value in info.attrs.items():
             count = _module_list_of(value, layer.name)
-            embeds = [a for a in info.attrs if info.constructed_class(a) in ("nn.Embedding", "torch.nn.Embedding")]
+            embeds = [
+                a
+                for a in info.attrs
+                if info.constructed_class(a) in ("nn.Embedding", "torch.nn.Embedding")
+            ]
             if count is not None and embeds:
                 bases.append((info, attr, count, embeds[0]))
-    base, layers_attr, num_layers, embed_attr = _one("base model (an nn.ModuleList of decoder layers)", bases, source)
-    final_norm_attr = _one("final norm on the base model", list(_builders(base, norm_like)), source)
+    base, layers_attr, num_layers, embed_attr = _one(
+        "base model (an nn.ModuleList of decoder layers)", bases, source
+    )
+    final_norm_attr = _one(
+        "final norm on the base model", list(_builders(base, norm_like)), source
+    )
 
     causals = []
     for info in classes.values():
         model_attrs = list(_builders(info, {base.name}))
-        heads = [a for a in info.attrs if info.constructed_class(a) in ("nn.Linear", "torch.nn.Linear")]
+        heads = [
+            a
+            for a in info.attrs
+            if info.constructed_class(a) in ("nn.Linear", "torch.nn.Linear")
+        ]
         if model_attrs and heads and info.name.endswith("ForCausalLM"):
             causals.append((info, model_attrs[0], heads[0]))
     causal, model_attr, head_attr = _one("...ForCausalLM class", causals, source)
@@ -184,7 +223,9 @@ def analyse(source: ModelSource) -> ModelStructure:
         refusals.append(layer_spec)
         layer_spec = None
     elif {b.mixer for b in layer_spec.blocks} != {attn_attr, mlp_attr}:
-        raise CodemodError(f"cannot generate: {layer.name} blocks do not call {attn_attr} and {mlp_attr}")
+        raise CodemodError(
+            f"cannot generate: {layer.name} blocks do not call {attn_attr} and {mlp_attr}"
+        )
 
     _refuse_unhandled_math(base, causal, source)
 
@@ -212,14 +253,25 @@ def analyse(source: ModelSource) -> ModelStructure:
     )
 
 
-def _refuse_unhandled_math(base: ClassInfo, causal: ClassInfo, source: ModelSource) -> None:
+def _refuse_unhandled_math(
+    base: ClassInfo, causal: ClassInfo, source: ModelSource
+) -> None:
     """Fail loudly on arithmetic around the embeddings or logits that is not emitted yet
     (an embedding normaliser, a logits multiplier or soft-cap): a model without it would
     load and run and be wrong."""
     for info, what in ((base, "embeddings or final hidden states"), (causal, "logits")):
         if info.forward is None:
             continue
-        for op in m.findall(info.forward, m.BinaryOperation(operator=m.Multiply() | m.Divide())):
-            raise CodemodError(f"cannot generate: {info.name}.forward scales the {what} (`{code(op)}`), not emitted yet")
-        for call in m.findall(info.forward, m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("tanh")))):
-            raise CodemodError(f"cannot generate: {info.name}.forward soft-caps the {what}, not emitted yet")
+        for op in m.findall(
+            info.forward, m.BinaryOperation(operator=m.Multiply() | m.Divide())
+        ):
+            raise CodemodError(
+                f"cannot generate: {info.name}.forward scales the {what} (`{code(op)}`), not emitted yet"
+            )
+        for call in m.findall(
+            info.forward,
+            m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("tanh"))),
+        ):
+            raise CodemodError(
+                f"cannot generate: {info.name}.forward soft-caps the {what}, not emitted yet"
+            )

@@ -33,8 +33,19 @@ SIZES = {
 }
 WINDOW = 8  # shorter than every verification prompt but the first
 # Booleans that are not model features (runtime switches, or another kind of model).
-NOT_FEATURES = {"use_cache", "use_bidirectional_attention", "return_dict", "is_decoder", "output_attentions"}
-LAYER_PATTERN = ("full_attention", "sliding_attention", "sliding_attention", "full_attention")
+NOT_FEATURES = {
+    "use_cache",
+    "use_bidirectional_attention",
+    "return_dict",
+    "is_decoder",
+    "output_attentions",
+}
+LAYER_PATTERN = (
+    "full_attention",
+    "sliding_attention",
+    "sliding_attention",
+    "full_attention",
+)
 
 
 def own_fields(config_cls) -> dict[str, tuple[object, object]]:
@@ -43,7 +54,11 @@ def own_fields(config_cls) -> dict[str, tuple[object, object]]:
 
     out: dict[str, tuple[object, object]] = {}
     for klass in reversed(config_cls.__mro__):
-        if not isinstance(klass, type) or not issubclass(klass, PreTrainedConfig) or klass is PreTrainedConfig:
+        if (
+            not isinstance(klass, type)
+            or not issubclass(klass, PreTrainedConfig)
+            or klass is PreTrainedConfig
+        ):
             continue
         for name, annotation in klass.__dict__.get("__annotations__", {}).items():
             out[name] = (annotation, klass.__dict__.get(name))
@@ -59,11 +74,19 @@ def feature_values(config_cls) -> dict[str, object]:
     """The feature switches for `config_cls`, by rule over its own fields."""
     values: dict[str, object] = {}
     for name, (annotation, default) in own_fields(config_cls).items():
-        if _is(annotation, bool) and default in (False, None) and name not in NOT_FEATURES:
+        if (
+            _is(annotation, bool)
+            and default in (False, None)
+            and name not in NOT_FEATURES
+        ):
             values[name] = True
         elif "softcap" in name and _is(annotation, float):
             values[name] = 2.0
-        elif ("multiplier" in name or name.startswith("scale_") or name in ("logits_scaling", "logit_scale")) and _is(annotation, float):
+        elif (
+            "multiplier" in name
+            or name.startswith("scale_")
+            or name in ("logits_scaling", "logit_scale")
+        ) and _is(annotation, float):
             values[name] = 0.6 if "multiplier" in name else 2.5
         elif name.startswith("clip_") and _is(annotation, float):
             values[name] = 0.3
@@ -93,16 +116,22 @@ def fit_parallel(cfg: dict, tp: int, pp: int) -> list[str]:
     """Make `cfg` divisible for tp x pp ranks (in place); say what changed.
 
     Heads must split across tensor-parallel ranks, and kv heads must either split too or
-    divide the rank count (they are then replicated); every pipeline stage needs a layer."""
+    divide the rank count (they are then replicated); every pipeline stage needs a layer.
+    """
     notes = []
     heads = cfg.get("num_attention_heads")
     kv = cfg.get("num_key_value_heads") or heads
     if heads and (heads % tp or (kv >= tp and kv % tp) or (kv < tp and tp % kv)):
         factor = tp // math.gcd(kv, tp)
-        cfg["num_attention_heads"], cfg["num_key_value_heads"] = heads * factor, kv * factor
+        cfg["num_attention_heads"], cfg["num_key_value_heads"] = (
+            heads * factor,
+            kv * factor,
+        )
         if "head_dim" not in cfg and "hidden_size" in cfg:
             cfg["hidden_size"] = cfg["num_attention_heads"] * HEAD_DIM
-        notes.append(f"heads {heads}:{kv} -> {heads * factor}:{kv * factor} to divide over {tp} ranks")
+        notes.append(
+            f"heads {heads}:{kv} -> {heads * factor}:{kv * factor} to divide over {tp} ranks"
+        )
     layers = cfg.get("num_hidden_layers", pp)
     if layers < pp:
         cfg["num_hidden_layers"] = pp
@@ -151,14 +180,18 @@ def shrink(raw: dict, overrides: dict | None = None) -> dict:
         cfg["num_key_value_heads"] = new_kv
     head_dim = cfg.get("head_dim")
     if head_dim is not None:
-        cfg["head_dim"] = head_dim if head_dim in CPU_HEAD_DIMS and head_dim <= 128 else HEAD_DIM
+        cfg["head_dim"] = (
+            head_dim if head_dim in CPU_HEAD_DIMS and head_dim <= 128 else HEAD_DIM
+        )
         new_hidden = 256
     else:
         new_hidden = cfg["num_attention_heads"] * HEAD_DIM
     old_hidden = cfg.get("hidden_size", new_hidden)
     cfg["hidden_size"] = new_hidden
     if "intermediate_size" in cfg:
-        cfg["intermediate_size"] = max(16, round(cfg["intermediate_size"] / old_hidden * new_hidden / 16) * 16)
+        cfg["intermediate_size"] = max(
+            16, round(cfg["intermediate_size"] / old_hidden * new_hidden / 16) * 16
+        )
     cfg["num_hidden_layers"] = _shrunk_layers(cfg)
     cfg["vocab_size"] = VOCAB
     _clamp_token_ids(cfg, VOCAB)
@@ -200,7 +233,9 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
             param.copy_(noise / param.shape[-1] ** 0.5)
 
 
-def build_checkpoint(causal_cls, config, out_dir: Path, raw_config: dict | None = None, seed: int = 0):
+def build_checkpoint(
+    causal_cls, config, out_dir: Path, raw_config: dict | None = None, seed: int = 0
+):
     """Save a random-weight fp32 safetensors checkpoint and return the transformers model
     loaded back from it, so the reference reads the same files the engine reads.
 
@@ -210,10 +245,16 @@ def build_checkpoint(causal_cls, config, out_dir: Path, raw_config: dict | None 
     model = causal_cls(config).to(torch.float32).eval()
     randomize(model, seed)
     model.save_pretrained(out_dir, safe_serialization=True)
-    cfg = dict(raw_config) if raw_config is not None else json.loads((out_dir / "config.json").read_text())
+    cfg = (
+        dict(raw_config)
+        if raw_config is not None
+        else json.loads((out_dir / "config.json").read_text())
+    )
     cfg["architectures"] = [causal_cls.__name__]
     cfg["torch_dtype"] = cfg["dtype"] = "float32"
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     del model
-    reference = causal_cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager")
+    reference = causal_cls.from_pretrained(
+        out_dir, dtype=torch.float32, attn_implementation="eager"
+    )
     return reference.eval()

@@ -40,7 +40,9 @@ def _capture_call(model, module, vocab: int) -> dict:
     handle = module.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
-            ids = torch.randint(0, vocab, (1, 7), generator=torch.Generator().manual_seed(3))
+            ids = torch.randint(
+                0, vocab, (1, 7), generator=torch.Generator().manual_seed(3)
+            )
             model(input_ids=ids, use_cache=False)
     finally:
         handle.remove()
@@ -84,8 +86,12 @@ def _validate(structure: ModelStructure, trust_remote_code: bool) -> None:
     try:
         qkv.prove(s.attention, attention, call, config, s.neox_rotary, set(s.norms))
     except PatternRefused as why:
-        s.refuse(Refusal(qkv.NAME, s.attention.class_name, "q/k/v projections", str(why)))
-        raise cannot_generate(s.refusals, "no unfused attention form is emitted yet") from None
+        s.refuse(
+            Refusal(qkv.NAME, s.attention.class_name, "q/k/v projections", str(why))
+        )
+        raise cannot_generate(
+            s.refusals, "no unfused attention form is emitted yet"
+        ) from None
 
     if s.mlp is not None:
         try:
@@ -99,19 +105,43 @@ def _validate(structure: ModelStructure, trust_remote_code: bool) -> None:
     if s.layer_spec is not None:
         layer = instances[s.layer.name]
         try:
-            unproven = [b.norm for b in s.layer_spec.blocks if b.norm not in s.norm_attrs(s.layer)]
+            unproven = [
+                b.norm
+                for b in s.layer_spec.blocks
+                if b.norm not in s.norm_attrs(s.layer)
+            ]
             if unproven:
                 raise PatternRefused(f"self.{unproven[0]} is not a proven RMSNorm")
             residual_norm.prove(s.layer_spec, layer)
         except PatternRefused as why:
-            s.refuse(Refusal(residual_norm.NAME, s.layer.name, "residual add + norm", str(why)))
+            s.refuse(
+                Refusal(
+                    residual_norm.NAME, s.layer.name, "residual add + norm", str(why)
+                )
+            )
             s.layer_spec = None
     if s.final_norm_attr not in s.norm_attrs(s.base) and s.layer_spec is not None:
-        raise CodemodError(f"cannot generate: the final norm {s.base.name}.{s.final_norm_attr} is not a proven RMSNorm")
+        raise CodemodError(
+            f"cannot generate: the final norm {s.base.name}.{s.final_norm_attr} is not a proven RMSNorm"
+        )
 
 
 # Ops that act element by element, so they commute with a column split of the features.
-ELEMENTWISE = {"mul", "add", "sub", "truediv", "neg", "pow", "tanh", "sigmoid", "relu", "gelu", "silu", "exp", "clamp"}
+ELEMENTWISE = {
+    "mul",
+    "add",
+    "sub",
+    "truediv",
+    "neg",
+    "pow",
+    "tanh",
+    "sigmoid",
+    "relu",
+    "gelu",
+    "silu",
+    "exp",
+    "clamp",
+}
 ACTIVATION_MODULES = ("transformers.activations", "torch.nn.modules.activation")
 
 
@@ -132,20 +162,32 @@ def unfused_mlp_sharding(module) -> tuple[list[str], list[str]]:
     output = next(n for n in graph.nodes if n.op == "output")
     columns, rows = [], []
     for node in graph.nodes:
-        if node.op == "call_module" and isinstance(module.get_submodule(str(node.target)), nn.Linear):
+        if node.op == "call_module" and isinstance(
+            module.get_submodule(str(node.target)), nn.Linear
+        ):
             if node.args[0] in placeholders[:1]:
                 columns.append(str(node.target))
             elif node in output.all_input_nodes:
                 rows.append(str(node.target))
             else:
-                raise CodemodError(f"cannot generate: unfused {name}: self.{node.target} neither reads the input nor makes the output")
+                raise CodemodError(
+                    f"cannot generate: unfused {name}: self.{node.target} neither reads the input nor makes the output"
+                )
         elif node.op == "call_module":
-            if not type(module.get_submodule(str(node.target))).__module__.startswith(ACTIVATION_MODULES):
-                raise CodemodError(f"cannot generate: unfused {name}: self.{node.target} is not an elementwise activation")
+            if not type(module.get_submodule(str(node.target))).__module__.startswith(
+                ACTIVATION_MODULES
+            ):
+                raise CodemodError(
+                    f"cannot generate: unfused {name}: self.{node.target} is not an elementwise activation"
+                )
         elif node.op in ("call_function", "call_method"):
             op = getattr(node.target, "__name__", str(node.target))
             if op not in ELEMENTWISE:
-                raise CodemodError(f"cannot generate: unfused {name}: `{op}` between its projections is not elementwise")
+                raise CodemodError(
+                    f"cannot generate: unfused {name}: `{op}` between its projections is not elementwise"
+                )
     if not columns or len(rows) != 1:
-        raise CodemodError(f"cannot generate: unfused {name}: expected projections in, one projection out")
+        raise CodemodError(
+            f"cannot generate: unfused {name}: expected projections in, one projection out"
+        )
     return columns, rows

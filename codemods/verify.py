@@ -31,8 +31,14 @@ def read_header(path: Path) -> dict[str, str]:
     except (OSError, UnicodeDecodeError) as exc:
         raise CodemodError(f"{path}: cannot read: {exc}") from None
     fields = dict(re.findall(r"^# (source|architecture):\s+(.+)$", head, re.MULTILINE))
-    if "source" not in fields or "architecture" not in fields or "->" not in fields["architecture"]:
-        raise CodemodError(f"{path}: not a generated file (its header names no source/architecture)")
+    if (
+        "source" not in fields
+        or "architecture" not in fields
+        or "->" not in fields["architecture"]
+    ):
+        raise CodemodError(
+            f"{path}: not a generated file (its header names no source/architecture)"
+        )
     fields["fused"] = str(len(re.findall(r"^#\s+Fused: ", head, re.MULTILINE)))
     fields["refused"] = str(len(re.findall(r"^#\s+Refused: ", head, re.MULTILINE)))
     return fields
@@ -50,7 +56,9 @@ def resolve_target(target: str) -> Path:
         return path
     path = GENERATED / f"{target}.py"
     if not path.exists():
-        raise CodemodError(f"{target}: no generated model of that name (have: {', '.join(generated_models())})")
+        raise CodemodError(
+            f"{target}: no generated model of that name (have: {', '.join(generated_models())})"
+        )
     return path
 
 
@@ -60,7 +68,9 @@ def reference_class(source: str, class_name: str, trust_remote_code: bool):
     from .source import load
 
     if source.startswith("transformers/"):
-        return getattr(importlib.import_module(source[: -len(".py")].replace("/", ".")), class_name)
+        return getattr(
+            importlib.import_module(source[: -len(".py")].replace("/", ".")), class_name
+        )
     return loading.model_classes(load(source), class_name, trust_remote_code)
 
 
@@ -76,7 +86,9 @@ def prompts_for(vocab: int, seed: int = 0) -> list[list[int]]:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    return [
+        torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS
+    ]
 
 
 def parse_override(text: str) -> tuple[str, object]:
@@ -86,7 +98,9 @@ def parse_override(text: str) -> tuple[str, object]:
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:
-        raise CodemodError(f"--override {text!r}: the value is not JSON (strings need quotes)") from None
+        raise CodemodError(
+            f"--override {text!r}: the value is not JSON (strings need quotes)"
+        ) from None
 
 
 def load_config_json(path: str) -> dict:
@@ -108,7 +122,9 @@ def verify(
     and compared against that same file's model)."""
     path = resolve_target(target)
     if is_generated(path):
-        return _verify_generated(path, tp, pp, overrides, config_json, trust_remote_code)
+        return _verify_generated(
+            path, tp, pp, overrides, config_json, trust_remote_code
+        )
     from .apply import generate, output_path
 
     model_plan, text = generate(str(path), trust_remote_code)
@@ -118,12 +134,16 @@ def verify(
         return _verify_generated(out, tp, pp, overrides, config_json, trust_remote_code)
 
 
-def _verify_generated(path: Path, tp, pp, overrides, config_json, trust_remote_code) -> dict:
+def _verify_generated(
+    path: Path, tp, pp, overrides, config_json, trust_remote_code
+) -> dict:
     from . import engine, reference, registration, tiny
 
     header = read_header(path)
     arch, causal_name = (s.strip() for s in header["architecture"].split("->"))
-    causal_cls = reference_class(header["source"].strip(), causal_name, trust_remote_code)
+    causal_cls = reference_class(
+        header["source"].strip(), causal_name, trust_remote_code
+    )
     config_cls = causal_cls.config_class
     raw = None
     if config_json is not None:
@@ -152,7 +172,9 @@ def _verify_generated(path: Path, tp, pp, overrides, config_json, trust_remote_c
         if path.resolve().parent != GENERATED:
             plugin_dir = Path(tmp) / "plugin"
             plugin_dir.mkdir()
-            arch, expected_module = registration.register_external(path, causal_name, plugin_dir)
+            arch, expected_module = registration.register_external(
+                path, causal_name, plugin_dir
+            )
         ckpt = Path(tmp) / "checkpoint"
         model = tiny.build_checkpoint(causal_cls, config, ckpt, raw_config=raw)
         prompts = prompts_for(model.config.vocab_size)
@@ -161,12 +183,19 @@ def _verify_generated(path: Path, tp, pp, overrides, config_json, trust_remote_c
         ran = engine.run(str(ckpt), arch, prompts, MAX_TOKENS, tp=tp, pp=pp)
 
     diffs, tokens_equal = [], True
-    for prompt, (ref_tokens, ref_lp), tokens, lps in zip(prompts, ref, ran.tokens, ran.logprobs):
+    for prompt, (ref_tokens, ref_lp), tokens, lps in zip(
+        prompts, ref, ran.tokens, ran.logprobs
+    ):
         tokens_equal &= ref_tokens == tokens
         seq = prompt + ref_tokens
-        want = [float(ref_lp[i - 1, seq[i]]) for i in range(1, len(prompt) + len(tokens))]
+        want = [
+            float(ref_lp[i - 1, seq[i]]) for i in range(1, len(prompt) + len(tokens))
+        ]
         # compare as far as both followed the same tokens
-        same = next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), len(tokens))
+        same = next(
+            (i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b),
+            len(tokens),
+        )
         n = len(prompt) - 1 + same + (1 if same < len(tokens) else 0)
         diffs += [abs(a - b) for a, b in zip(want[:n], lps[:n])]
     max_diff = max(diffs) if diffs else float("inf")
@@ -189,12 +218,26 @@ def _safe_verify(target: str, **kwargs) -> tuple[int, dict]:
         return 2, {"arch": target, "ok": False, "error": str(exc)}
     except Exception as exc:  # the engine could not build or run the model
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return 2, {"arch": target, "ok": False, "error": f"could not run: {type(exc).__name__}: {first}"[:500]}
+        return 2, {
+            "arch": target,
+            "ok": False,
+            "error": f"could not run: {type(exc).__name__}: {first}"[:500],
+        }
     return (0 if result["ok"] else 1), result
 
 
 def table(rows: list[dict]) -> str:
-    head = ("arch", "tp", "pp", "features on", "fused", "refused", "max |dlogprob|", "tokens equal", "ok")
+    head = (
+        "arch",
+        "tp",
+        "pp",
+        "features on",
+        "fused",
+        "refused",
+        "max |dlogprob|",
+        "tokens equal",
+        "ok",
+    )
     lines = [head]
     for r in rows:
         diff = r.get("max_abs_logprob_diff")
@@ -212,18 +255,39 @@ def table(rows: list[dict]) -> str:
             )
         )
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in lines)
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+        for row in lines
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m codemods.verify", description=__doc__.splitlines()[0])
-    parser.add_argument("target", nargs="?", help="model type in generated/ (e.g. qwen3) or a generated file's path")
-    parser.add_argument("--all", action="store_true", help="verify every generated model and print a table")
+    parser = argparse.ArgumentParser(
+        prog="python -m codemods.verify", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "target",
+        nargs="?",
+        help="model type in generated/ (e.g. qwen3) or a generated file's path",
+    )
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="verify every generated model and print a table",
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
-    parser.add_argument("--config", metavar="PATH", help="a real checkpoint's config.json: kept, sizes shrunk")
     parser.add_argument(
-        "--override", action="append", default=[], metavar="KEY=JSON", help="set a config field (repeatable)"
+        "--config",
+        metavar="PATH",
+        help="a real checkpoint's config.json: kept, sizes shrunk",
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="set a config field (repeatable)",
     )
     parser.add_argument(
         "--trust-remote-code",

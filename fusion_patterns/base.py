@@ -102,7 +102,9 @@ def code(node: cst.CSTNode) -> str:
 
 def self_attr(name: str | m.BaseMatcherNode = m.DoNotCare()) -> m.Attribute:
     """Matcher for `self.<name>`."""
-    return m.Attribute(value=m.Name("self"), attr=m.Name(name) if isinstance(name, str) else name)
+    return m.Attribute(
+        value=m.Name("self"), attr=m.Name(name) if isinstance(name, str) else name
+    )
 
 
 def self_call(name, arg) -> m.Call:
@@ -110,7 +112,9 @@ def self_call(name, arg) -> m.Call:
     return m.Call(func=self_attr(name), args=[m.Arg(value=arg, keyword=None)])
 
 
-def linear_args(call: cst.Call) -> tuple[cst.BaseExpression, cst.BaseExpression, cst.BaseExpression]:
+def linear_args(
+    call: cst.Call,
+) -> tuple[cst.BaseExpression, cst.BaseExpression, cst.BaseExpression]:
     """(in_features, out_features, bias) of an `nn.Linear(...)` call; bias defaults to True."""
     positional = [a.value for a in call.args if a.keyword is None]
     keywords = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
@@ -119,7 +123,11 @@ def linear_args(call: cst.Call) -> tuple[cst.BaseExpression, cst.BaseExpression,
     values.update({k: v for k, v in keywords.items() if k in names})
     if "in_features" not in values or "out_features" not in values:
         raise PatternRefused("nn.Linear without in/out features")
-    return values["in_features"], values["out_features"], values.get("bias", cst.Name("True"))
+    return (
+        values["in_features"],
+        values["out_features"],
+        values.get("bias", cst.Name("True")),
+    )
 
 
 def is_linear(info: ClassInfo, attr: str) -> bool:

@@ -34,7 +34,9 @@ def module_calls(graph: fx.Graph) -> dict[str, list[fx.Node]]:
 def single_call(graph: fx.Graph, name: str) -> fx.Node:
     calls = module_calls(graph).get(name, [])
     if len(calls) != 1:
-        raise PatternRefused(f"self.{name} is called {len(calls)} times in the traced forward")
+        raise PatternRefused(
+            f"self.{name} is called {len(calls)} times in the traced forward"
+        )
     return calls[0]
 
 
@@ -50,7 +52,9 @@ def upstream_linears(node: fx.Node, root: nn.Module) -> set[str]:
         if current in seen:
             continue
         seen.add(current)
-        if current.op == "call_module" and isinstance(root.get_submodule(str(current.target)), nn.Linear):
+        if current.op == "call_module" and isinstance(
+            root.get_submodule(str(current.target)), nn.Linear
+        ):
             found.add(str(current.target))
             continue
         stack.extend(inputs_of(current))
@@ -62,17 +66,26 @@ def mutated_in_place(node: fx.Node) -> list[str]:
     return [
         str(user.target)
         for user in node.users
-        if user.op == "call_method" and str(user.target).endswith("_") and not str(user.target).startswith("__")
+        if user.op == "call_method"
+        and str(user.target).endswith("_")
+        and not str(user.target).startswith("__")
     ]
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12))
+    return float(
+        (got.float() - want.float()).abs().max()
+        / want.float().abs().max().clamp_min(1e-12)
+    )
 
 
-def require_close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = REL_TOL) -> None:
+def require_close(
+    got: torch.Tensor, want: torch.Tensor, what: str, tol: float = REL_TOL
+) -> None:
     if got.shape != want.shape:
         raise PatternRefused(f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
     err = rel_err(got, want)
     if not err <= tol:
-        raise PatternRefused(f"{what}: the fused form differs (max rel err {err:.1e} > {tol:.0e})")
+        raise PatternRefused(
+            f"{what}: the fused form differs (max rel err {err:.1e} > {tol:.0e})"
+        )

@@ -14,7 +14,16 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 
-from .base import ClassInfo, FusionRecord, PatternRefused, Refusal, code, is_linear, linear_args, self_attr, self_call
+from .base import (
+    ClassInfo,
+    FusionRecord,
+    PatternRefused,
+    Refusal,
+    code,
+    is_linear,
+    linear_args,
+    self_call,
+)
 from .qkv import merged_name
 
 NAME = "glu"
@@ -24,7 +33,10 @@ VLLM_CLASS = "MergedColumnParallelLinear"
 # with its reason instead of silently not matching.
 _X = m.SaveMatchedNode(m.DoNotCare(), "x")
 _X2 = m.SaveMatchedNode(m.DoNotCare(), "x2")
-_GATED = self_call(m.SaveMatchedNode(m.Name(), "act"), self_call(m.SaveMatchedNode(m.Name(), "gate"), _X))
+_GATED = self_call(
+    m.SaveMatchedNode(m.Name(), "act"),
+    self_call(m.SaveMatchedNode(m.Name(), "gate"), _X),
+)
 _UP = self_call(m.SaveMatchedNode(m.Name(), "up"), _X2)
 GLU_CALL = self_call(
     m.SaveMatchedNode(m.Name(), "down"),
@@ -64,8 +76,12 @@ def match(info: ClassInfo) -> GLUSpec | Refusal | None:
 def _extract(info: ClassInfo, cap: dict) -> GLUSpec:
     gate, up, down, act = (cap[k].value for k in ("gate", "up", "down", "act"))
     x, x2 = cap["x"], cap["x2"]
-    if not (isinstance(x, cst.Name) and isinstance(x2, cst.Name) and x.value == x2.value):
-        raise PatternRefused(f"gate and up read different tensors (`{code(x)}`, `{code(x2)}`)")
+    if not (
+        isinstance(x, cst.Name) and isinstance(x2, cst.Name) and x.value == x2.value
+    ):
+        raise PatternRefused(
+            f"gate and up read different tensors (`{code(x)}`, `{code(x2)}`)"
+        )
     for attr in (gate, up, down):
         if not is_linear(info, attr):
             raise PatternRefused(f"self.{attr} is not an nn.Linear")
@@ -90,7 +106,17 @@ def _extract(info: ClassInfo, cap: dict) -> GLUSpec:
 
 
 def records(spec: GLUSpec, scope: str) -> list[FusionRecord]:
-    return [FusionRecord(NAME, spec.class_name, (spec.gate, spec.up), spec.merged, VLLM_CLASS, (0, 1), scope)]
+    return [
+        FusionRecord(
+            NAME,
+            spec.class_name,
+            (spec.gate, spec.up),
+            spec.merged,
+            VLLM_CLASS,
+            (0, 1),
+            scope,
+        )
+    ]
 
 
 # --- proof -------------------------------------------------------------------------
@@ -101,9 +127,13 @@ def records(spec: GLUSpec, scope: str) -> list[FusionRecord]:
 
 def activation_name(spec: GLUSpec, module, config) -> str:
     try:
-        return str(eval(code(spec.act_name), {"config": config, "self": module}))  # noqa: S307
+        return str(
+            eval(code(spec.act_name), {"config": config, "self": module})
+        )  # noqa: S307
     except Exception as exc:
-        raise PatternRefused(f"the activation key `{code(spec.act_name)}` cannot be evaluated: {exc}") from None
+        raise PatternRefused(
+            f"the activation key `{code(spec.act_name)}` cannot be evaluated: {exc}"
+        ) from None
 
 
 def prove(spec: GLUSpec, module, config) -> None:
@@ -113,16 +143,23 @@ def prove(spec: GLUSpec, module, config) -> None:
     from .dataflow import require_close, single_call, trace
 
     graph = trace(module)
-    gate, up, down, act = (single_call(graph, n) for n in (spec.gate, spec.up, spec.down, spec.act_attr))
+    gate, up, down, act = (
+        single_call(graph, n) for n in (spec.gate, spec.up, spec.down, spec.act_attr)
+    )
     if gate.args[0] is not up.args[0]:
         raise PatternRefused("gate and up consume different graph nodes")
     if act.args[0] is not gate or len(gate.users) != 1:
         raise PatternRefused("the activation is not applied to the gate output alone")
     product = down.args[0]
-    if not (product.op == "call_function" and getattr(product.target, "__name__", "") == "mul"):
+    if not (
+        product.op == "call_function"
+        and getattr(product.target, "__name__", "") == "mul"
+    ):
         raise PatternRefused("what feeds down is not a product")
     if set(product.args) != {act, up} or len(product.users) != 1 or len(up.users) != 1:
-        raise PatternRefused("the product of act(gate) and up is not all that feeds down")
+        raise PatternRefused(
+            "the product of act(gate) and up is not all that feeds down"
+        )
 
     from vllm.model_executor.layers.activation import get_act_and_mul_fn
 
@@ -130,11 +167,17 @@ def prove(spec: GLUSpec, module, config) -> None:
     try:
         act_and_mul = get_act_and_mul_fn(name)
     except ValueError:
-        raise PatternRefused(f"vLLM has no fused ...AndMul for activation {name!r}") from None
+        raise PatternRefused(
+            f"vLLM has no fused ...AndMul for activation {name!r}"
+        ) from None
     g, u, d = (getattr(module, n) for n in (spec.gate, spec.up, spec.down))
     with torch.no_grad():
         x = torch.randn(2, 5, g.in_features, generator=torch.Generator().manual_seed(0))
         weight = torch.cat([g.weight, u.weight])
         bias = torch.cat([g.bias, u.bias]) if g.bias is not None else None
         merged = F.linear(x, weight, bias)
-        require_close(d(act_and_mul.forward_native(merged)), module(x), f"{spec.class_name} merged gate/up")
+        require_close(
+            d(act_and_mul.forward_native(merged)),
+            module(x),
+            f"{spec.class_name} merged gate/up",
+        )

@@ -47,7 +47,9 @@ LAYOUT_METHODS = {"view", "reshape", "transpose", "contiguous"}
 class HeadNorm:
     attr: str
     norm_class: str
-    spec: NormSpec | None  # None: a norm class the rms_norm pattern refused (copied as is)
+    spec: (
+        NormSpec | None
+    )  # None: a norm class the rms_norm pattern refused (copied as is)
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,9 @@ def _assignment_of(forward: cst.FunctionDef, name: str) -> cst.BaseExpression:
     return found[0].value
 
 
-def _unwrap(value: cst.BaseExpression, info: ClassInfo, norms: dict[str, NormSpec | None]):
+def _unwrap(
+    value: cst.BaseExpression, info: ClassInfo, norms: dict[str, NormSpec | None]
+):
     """Peel layout methods and a head norm off one q/k/v expression.
 
     Returns (projection attr, input name, norm attr or None, norm applied per head)."""
@@ -98,7 +102,9 @@ def _unwrap(value: cst.BaseExpression, info: ClassInfo, norms: dict[str, NormSpe
         ):
             method = node.func.attr.value
             if method not in LAYOUT_METHODS:
-                raise PatternRefused(f"`.{method}(...)` between a projection and attention")
+                raise PatternRefused(
+                    f"`.{method}(...)` between a projection and attention"
+                )
             node = node.func.value
             continue
         if m.matches(node, m.Call(func=self_attr(), args=[m.Arg()])):
@@ -110,14 +116,19 @@ def _unwrap(value: cst.BaseExpression, info: ClassInfo, norms: dict[str, NormSpe
                 return attr, arg.value, norm_attr, per_head
             if norm_attr is None and info.constructed_class(attr) in norms:
                 norm_attr = attr
-                per_head = m.matches(arg, m.Call(func=m.Attribute(attr=m.Name("view") | m.Name("reshape"))))
+                per_head = m.matches(
+                    arg,
+                    m.Call(func=m.Attribute(attr=m.Name("view") | m.Name("reshape"))),
+                )
                 node = arg
                 continue
             raise PatternRefused(f"self.{attr}(...) between a projection and attention")
         raise PatternRefused(f"`{code(node)}` between a projection and attention")
 
 
-def match(info: ClassInfo, norms: dict[str, NormSpec | None]) -> QKVSpec | Refusal | None:
+def match(
+    info: ClassInfo, norms: dict[str, NormSpec | None]
+) -> QKVSpec | Refusal | None:
     """`norms`: every norm-like class, with its spec where the rms_norm pattern matched."""
     if info.forward is None:
         return None
@@ -130,17 +141,25 @@ def match(info: ClassInfo, norms: dict[str, NormSpec | None]) -> QKVSpec | Refus
         return Refusal(NAME, info.name, "q/k/v projections", str(why))
 
 
-def _extract(info: ClassInfo, norms: dict[str, NormSpec | None], call: cst.Call) -> QKVSpec:
+def _extract(
+    info: ClassInfo, norms: dict[str, NormSpec | None], call: cst.Call
+) -> QKVSpec:
     roles = m.extract(call, ATTENTION_CALL)
     unwrapped = []
     for role in ("q", "k", "v"):
-        unwrapped.append(_unwrap(_assignment_of(info.forward, roles[role].value), info, norms))
+        unwrapped.append(
+            _unwrap(_assignment_of(info.forward, roles[role].value), info, norms)
+        )
     projections = tuple(u[0] for u in unwrapped)
     if len(set(projections)) != 3:
-        raise PatternRefused("query, key and value do not come from three distinct projections")
+        raise PatternRefused(
+            "query, key and value do not come from three distinct projections"
+        )
     inputs = {u[1] for u in unwrapped}
     if len(inputs) != 1:
-        raise PatternRefused(f"the projections read different tensors ({', '.join(sorted(inputs))})")
+        raise PatternRefused(
+            f"the projections read different tensors ({', '.join(sorted(inputs))})"
+        )
     if unwrapped[2][2] is not None:
         raise PatternRefused("a norm on the value projection")
 
@@ -150,12 +169,18 @@ def _extract(info: ClassInfo, norms: dict[str, NormSpec | None], call: cst.Call)
     if len(hidden) != 1:
         raise PatternRefused("the projections have different input sizes")
     if len(biases) != 1:
-        raise PatternRefused(f"bias differs between the projections ({', '.join(sorted(biases))})")
+        raise PatternRefused(
+            f"bias differs between the projections ({', '.join(sorted(biases))})"
+        )
 
     heads, head_dims = [], set()
     for out in (a[1] for a in args):
-        if not m.matches(out, m.BinaryOperation(operator=m.Multiply(), right=self_attr())):
-            raise PatternRefused(f"output size `{code(out)}` is not `<heads> * self.<head_dim>`")
+        if not m.matches(
+            out, m.BinaryOperation(operator=m.Multiply(), right=self_attr())
+        ):
+            raise PatternRefused(
+                f"output size `{code(out)}` is not `<heads> * self.<head_dim>`"
+            )
         heads.append(out.left)
         head_dims.add(out.right.attr.value)
     if len(head_dims) != 1 or code(heads[1]) != code(heads[2]):
@@ -177,7 +202,9 @@ def _extract(info: ClassInfo, norms: dict[str, NormSpec | None], call: cst.Call)
     outs = [
         a
         for a in info.attrs
-        if is_linear(info, a) and a not in used and m.findall(info.forward, m.Call(func=self_attr(a)))
+        if is_linear(info, a)
+        and a not in used
+        and m.findall(info.forward, m.Call(func=self_attr(a)))
     ]
     if len(outs) != 1:
         raise PatternRefused("no single output projection after attention")
@@ -195,17 +222,35 @@ def _extract(info: ClassInfo, norms: dict[str, NormSpec | None], call: cst.Call)
         out_args=linear_args(info.attrs[outs[0]]),
         q_norm=head_norms[0],
         k_norm=head_norms[1],
-        call_kwargs={a.keyword.value: a.value for a in call.args if a.keyword is not None},
+        call_kwargs={
+            a.keyword.value: a.value for a in call.args if a.keyword is not None
+        },
     )
 
 
 def records(spec: QKVSpec, scope: str, proven_norms: set[str]) -> list[FusionRecord]:
     out = [
-        FusionRecord(NAME, spec.class_name, spec.projections, spec.merged, VLLM_CLASS, ("q", "k", "v"), scope)
+        FusionRecord(
+            NAME,
+            spec.class_name,
+            spec.projections,
+            spec.merged,
+            VLLM_CLASS,
+            ("q", "k", "v"),
+            scope,
+        )
     ]
     for norm in (spec.q_norm, spec.k_norm):
         if norm is not None and norm.norm_class in proven_norms:
-            out.append(FusionRecord("rms_norm", spec.class_name, (norm.attr,), norm.attr, norm.spec.vllm_class))
+            out.append(
+                FusionRecord(
+                    "rms_norm",
+                    spec.class_name,
+                    (norm.attr,),
+                    norm.attr,
+                    norm.spec.vllm_class,
+                )
+            )
     return out
 
 
@@ -219,7 +264,9 @@ def records(spec: QKVSpec, scope: str, proven_norms: set[str]) -> list[FusionRec
 CAPTURE = "codemods_capture"
 
 
-def prove(spec: QKVSpec, module, call_kwargs: dict, config, neox: bool, proven_norms: set[str]) -> None:
+def prove(
+    spec: QKVSpec, module, call_kwargs: dict, config, neox: bool, proven_norms: set[str]
+) -> None:
     from .dataflow import mutated_in_place, single_call, trace, upstream_linears
 
     graph = trace(module)
@@ -228,21 +275,31 @@ def prove(spec: QKVSpec, module, call_kwargs: dict, config, neox: bool, proven_n
     if not (source is k.args[0] is v.args[0]):
         raise PatternRefused("the projections consume different graph nodes")
     if mutated := mutated_in_place(source):
-        raise PatternRefused(f"the projections' input is mutated in place ({', '.join(mutated)})")
+        raise PatternRefused(
+            f"the projections' input is mutated in place ({', '.join(mutated)})"
+        )
     attention = [n for n in graph.nodes if n.meta.get("leaf_call")]
     if len(attention) != 1:
         raise PatternRefused("no single attention call in the traced forward")
-    for role, arg, proj in zip(("query", "key", "value"), attention[0].args[:3], spec.projections):
+    for role, arg, proj in zip(
+        ("query", "key", "value"), attention[0].args[:3], spec.projections
+    ):
         found = upstream_linears(arg, module)
         if found != {proj}:
-            raise PatternRefused(f"the attention call's {role} comes from {sorted(found) or 'no projection'}, not {proj}")
+            raise PatternRefused(
+                f"the attention call's {role} comes from {sorted(found) or 'no projection'}, not {proj}"
+            )
     out = single_call(graph, spec.out_proj)
     if upstream_linears(out.args[0], module) != set(spec.projections):
-        raise PatternRefused(f"{spec.out_proj} reads something besides the attention output")
+        raise PatternRefused(
+            f"{spec.out_proj} reads something besides the attention output"
+        )
     _prove_numbers(spec, module, call_kwargs, config, neox, proven_norms)
 
 
-def _prove_numbers(spec: QKVSpec, module, call_kwargs: dict, config, neox: bool, proven_norms: set[str]) -> None:
+def _prove_numbers(
+    spec: QKVSpec, module, call_kwargs: dict, config, neox: bool, proven_norms: set[str]
+) -> None:
     import torch
     import torch.nn.functional as F
     from transformers.modeling_utils import AttentionInterface
@@ -257,7 +314,9 @@ def _prove_numbers(spec: QKVSpec, module, call_kwargs: dict, config, neox: bool,
     head_dim = getattr(module, spec.head_dim_attr)
     projs = [getattr(module, p) for p in spec.projections]
     heads = projs[0].out_features // head_dim
-    given = torch.randn(1, tokens, heads, head_dim, generator=torch.Generator().manual_seed(1))
+    given = torch.randn(
+        1, tokens, heads, head_dim, generator=torch.Generator().manual_seed(1)
+    )
     seen: dict = {}
 
     def capture(mod, query, key, value, mask, **kwargs):
@@ -279,13 +338,17 @@ def _prove_numbers(spec: QKVSpec, module, call_kwargs: dict, config, neox: bool,
         x = hidden[0]
         weight = torch.cat([p.weight for p in projs])
         bias = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
-        q, k, v = F.linear(x, weight, bias).split([p.out_features for p in projs], dim=-1)
+        q, k, v = F.linear(x, weight, bias).split(
+            [p.out_features for p in projs], dim=-1
+        )
         for norm, name in ((spec.q_norm, "q"), (spec.k_norm, "k")):
             if norm is None:
                 continue
             theirs_norm = getattr(module, norm.attr)
             if norm.norm_class in proven_norms:
-                ours = _vllm_norm(norm.spec, head_dim, getattr(theirs_norm, norm.spec.eps_attr))
+                ours = _vllm_norm(
+                    norm.spec, head_dim, getattr(theirs_norm, norm.spec.eps_attr)
+                )
                 ours.weight.copy_(theirs_norm.weight)
                 apply = ours.forward_native
             else:  # emitted as the copied source class
@@ -301,7 +364,9 @@ def _prove_numbers(spec: QKVSpec, module, call_kwargs: dict, config, neox: bool,
             dtype=torch.float32,
         )
         q, k = rope.forward_native(torch.arange(tokens), q, k)
-        flat = lambda t: t[0].transpose(0, 1).reshape(tokens, -1)  # noqa: E731  [1,H,T,D] -> [T,H*D]
+        flat = (
+            lambda t: t[0].transpose(0, 1).reshape(tokens, -1)
+        )  # noqa: E731  [1,H,T,D] -> [T,H*D]
         require_close(q, flat(seen["q"]), "query (merged GEMM, head norm, rope)")
         require_close(k, flat(seen["k"]), "key (merged GEMM, head norm, rope)")
         require_close(v, flat(seen["v"]), "value (merged GEMM)")

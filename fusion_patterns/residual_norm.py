@@ -26,11 +26,15 @@ NAME = "residual_norm"
 
 
 def _assign(target, value) -> m.SimpleStatementLine:
-    return m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=target)], value=value)])
+    return m.SimpleStatementLine(
+        body=[m.Assign(targets=[m.AssignTarget(target=target)], value=value)]
+    )
 
 
 def _stream_arg(h: str) -> m.Arg:
-    return m.Arg(value=m.Name(h), keyword=None) | m.Arg(value=m.Name(h), keyword=m.Name("hidden_states"))
+    return m.Arg(value=m.Name(h), keyword=None) | m.Arg(
+        value=m.Name(h), keyword=m.Name("hidden_states")
+    )
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,11 @@ class LayerSpec:
 def match(info: ClassInfo, norm_attrs: set[str]) -> LayerSpec | Refusal | None:
     if info.forward is None:
         return None
-    body = [s for s in info.forward.body.body if not m.matches(s, m.SimpleStatementLine([m.Expr(m.SimpleString())]))]
+    body = [
+        s
+        for s in info.forward.body.body
+        if not m.matches(s, m.SimpleStatementLine([m.Expr(m.SimpleString())]))
+    ]
     try:
         return LayerSpec(info.name, tuple(_blocks(body, norm_attrs)))
     except PatternRefused as why:
@@ -68,22 +76,37 @@ def _blocks(body: list[cst.BaseStatement], norm_attrs: set[str]):
         if not m.matches(save, _assign(m.Name(), m.Name(h))):
             raise PatternRefused(f"`{_line(save)}` does not save the residual stream")
         r = save.body[0].targets[0].target.value
-        norm_call = m.Call(func=self_attr(m.SaveMatchedNode(m.Name(), "n")), args=[_stream_arg(h)])
+        norm_call = m.Call(
+            func=self_attr(m.SaveMatchedNode(m.Name(), "n")), args=[_stream_arg(h)]
+        )
         if not m.matches(norm, _assign(m.Name(h), norm_call)):
             raise PatternRefused(f"`{_line(norm)}` is not a norm of the saved stream")
         norm_attr = norm.body[0].value.func.attr.value
         if norm_attr not in norm_attrs:
             raise PatternRefused(f"self.{norm_attr} is not an RMSNorm")
         mix_target = m.Name(h) | m.Tuple([m.Element(m.Name(h)), m.ZeroOrMore()])
-        if not m.matches(mix, _assign(mix_target, m.Call(func=self_attr(), args=[m.ZeroOrMore(), _stream_arg(h), m.ZeroOrMore()]))):
-            raise PatternRefused(f"`{_line(mix)}` is not a sublayer applied to the normed stream")
-        added = m.BinaryOperation(left=m.Name(r), operator=m.Add(), right=m.Name(h)) | m.BinaryOperation(
-            left=m.Name(h), operator=m.Add(), right=m.Name(r)
-        )
+        if not m.matches(
+            mix,
+            _assign(
+                mix_target,
+                m.Call(
+                    func=self_attr(),
+                    args=[m.ZeroOrMore(), _stream_arg(h), m.ZeroOrMore()],
+                ),
+            ),
+        ):
+            raise PatternRefused(
+                f"`{_line(mix)}` is not a sublayer applied to the normed stream"
+            )
+        added = m.BinaryOperation(
+            left=m.Name(r), operator=m.Add(), right=m.Name(h)
+        ) | m.BinaryOperation(left=m.Name(h), operator=m.Add(), right=m.Name(r))
         if not m.matches(add, _assign(m.Name(h), added)):
             raise PatternRefused(f"`{_line(add)}` is not the plain residual add")
         target = mix.body[0].targets[0].target
-        yield Block(norm_attr, mix.body[0].value.func.attr.value, isinstance(target, cst.Tuple))
+        yield Block(
+            norm_attr, mix.body[0].value.func.attr.value, isinstance(target, cst.Tuple)
+        )
 
 
 def _line(stmt: cst.BaseStatement) -> str:
@@ -92,7 +115,13 @@ def _line(stmt: cst.BaseStatement) -> str:
 
 def records(spec: LayerSpec) -> list[FusionRecord]:
     return [
-        FusionRecord(NAME, spec.class_name, ("residual add", block.norm), block.norm, "RMSNorm(x, residual)")
+        FusionRecord(
+            NAME,
+            spec.class_name,
+            ("residual add", block.norm),
+            block.norm,
+            "RMSNorm(x, residual)",
+        )
         for block in spec.blocks
     ]
 
@@ -136,10 +165,18 @@ def prove(spec: LayerSpec, layer) -> None:
         if norm.args[:1] != (stream,):
             raise PatternRefused(f"self.{block.norm} does not read the residual stream")
         if norm not in mixer.all_input_nodes:
-            raise PatternRefused(f"self.{block.mixer} does not read self.{block.norm}'s output")
-        adds = [u for u in stream.users if u.op == "call_function" and getattr(u.target, "__name__", "") == "add"]
+            raise PatternRefused(
+                f"self.{block.mixer} does not read self.{block.norm}'s output"
+            )
+        adds = [
+            u
+            for u in stream.users
+            if u.op == "call_function" and getattr(u.target, "__name__", "") == "add"
+        ]
         if len(adds) != 1 or len(adds[0].all_input_nodes) != 2:
-            raise PatternRefused("the residual stream is not added exactly once per block")
+            raise PatternRefused(
+                "the residual stream is not added exactly once per block"
+            )
         stream = adds[0]
     output = next(n for n in graph.nodes if n.op == "output")
     if output.all_input_nodes != [stream]:
@@ -164,7 +201,11 @@ def prove(spec: LayerSpec, layer) -> None:
                     h = norm(residual)
                 out = getattr(layer, block.mixer)(h)
                 h = out[0] if isinstance(out, tuple) else out
-            require_close(h + residual, theirs, f"{spec.class_name} with the residual add fused into the norms")
+            require_close(
+                h + residual,
+                theirs,
+                f"{spec.class_name} with the residual add fused into the norms",
+            )
     finally:
         for name, module in saved.items():
             object.__delattr__(layer, name) if name in layer.__dict__ else None

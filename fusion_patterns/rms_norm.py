@@ -13,14 +13,23 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 
-from .base import ClassInfo, FusionRecord, PatternRefused, Refusal, dotted_name, self_attr
+from .base import (
+    ClassInfo,
+    FusionRecord,
+    PatternRefused,
+    Refusal,
+    dotted_name,
+    self_attr,
+)
 
 NAME = "rms_norm"
 
 # variance = x.pow(2).mean(-1, keepdim=True)
 MEAN_OF_SQUARES = m.Call(
     func=m.Attribute(
-        value=m.Call(func=m.Attribute(attr=m.Name("pow")), args=[m.Arg(m.Integer("2"))]),
+        value=m.Call(
+            func=m.Attribute(attr=m.Name("pow")), args=[m.Arg(m.Integer("2"))]
+        ),
         attr=m.Name("mean"),
     ),
     args=[
@@ -31,12 +40,20 @@ MEAN_OF_SQUARES = m.Call(
 # torch.rsqrt(variance + self.<eps>): eps inside the root
 RSQRT_EPS = m.Call(
     func=m.Attribute(value=m.Name("torch"), attr=m.Name("rsqrt")),
-    args=[m.Arg(m.BinaryOperation(operator=m.Add(), right=m.SaveMatchedNode(self_attr(), "eps")))],
+    args=[
+        m.Arg(
+            m.BinaryOperation(
+                operator=m.Add(), right=m.SaveMatchedNode(self_attr(), "eps")
+            )
+        )
+    ],
 )
 UNIT_OFFSET_WEIGHT = m.BinaryOperation(
     left=m.OneOf(m.Integer("1"), m.Float("1.0")),
     operator=m.Add(),
-    right=m.OneOf(self_attr("weight"), m.Call(func=m.Attribute(value=self_attr("weight")))),
+    right=m.OneOf(
+        self_attr("weight"), m.Call(func=m.Attribute(value=self_attr("weight")))
+    ),
 )
 # return self.weight * x.to(input_dtype)   |   return x.to(dtype) * self.weight
 WEIGHT_AFTER_CAST = m.BinaryOperation(
@@ -56,7 +73,9 @@ class NormSpec:
     eps_default: cst.BaseExpression | None
     params: tuple[str, ...]  # __init__ parameters after self, in order
 
-    def bind(self, call: cst.Call) -> tuple[cst.BaseExpression, cst.BaseExpression | None]:
+    def bind(
+        self, call: cst.Call
+    ) -> tuple[cst.BaseExpression, cst.BaseExpression | None]:
         """(hidden size, eps) of one construction `NormClass(...)` of this class."""
         bound: dict[str, cst.BaseExpression] = {}
         for i, arg in enumerate(call.args):
@@ -90,11 +109,15 @@ def match(info: ClassInfo) -> NormSpec | Refusal | None:
 def _extract(info: ClassInfo) -> NormSpec:
     rsqrt = m.extractall(info.forward, RSQRT_EPS)
     if not rsqrt:
-        raise PatternRefused("eps is not added inside the root (expected torch.rsqrt(variance + eps))")
+        raise PatternRefused(
+            "eps is not added inside the root (expected torch.rsqrt(variance + eps))"
+        )
     eps_attr = rsqrt[0]["eps"].attr.value
     unit_offset = bool(_found(info.forward, UNIT_OFFSET_WEIGHT))
     if not unit_offset and not _found(info.forward, WEIGHT_AFTER_CAST):
-        raise PatternRefused("the weight is not applied as a multiply after the cast back")
+        raise PatternRefused(
+            "the weight is not applied as a multiply after the cast back"
+        )
 
     params = [p for p in info.init.params.params if p.name.value != "self"]
     names = tuple(p.name.value for p in params)
@@ -102,9 +125,22 @@ def _extract(info: ClassInfo) -> NormSpec:
     if not isinstance(eps_value, cst.Name) or eps_value.value not in names:
         raise PatternRefused(f"self.{eps_attr} is not set from an __init__ argument")
     weight = info.attrs.get("weight")
-    size = m.findall(weight, m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("ones") | m.Name("zeros")))) if weight else []
+    size = (
+        m.findall(
+            weight,
+            m.Call(
+                func=m.Attribute(
+                    value=m.Name("torch"), attr=m.Name("ones") | m.Name("zeros")
+                )
+            ),
+        )
+        if weight
+        else []
+    )
     if not size or not isinstance(size[0].args[0].value, cst.Name):
-        raise PatternRefused("self.weight is not a parameter sized by an __init__ argument")
+        raise PatternRefused(
+            "self.weight is not a parameter sized by an __init__ argument"
+        )
     eps_param = eps_value.value
     default = next((p.default for p in params if p.name.value == eps_param), None)
     return NormSpec(
@@ -122,7 +158,9 @@ def record(spec: NormSpec, owner: str, attr: str) -> FusionRecord:
     return FusionRecord(NAME, owner, (attr,), attr, spec.vllm_class)
 
 
-def is_norm_call(value: cst.BaseExpression, specs: dict[str, NormSpec]) -> NormSpec | None:
+def is_norm_call(
+    value: cst.BaseExpression, specs: dict[str, NormSpec]
+) -> NormSpec | None:
     if isinstance(value, cst.Call):
         return specs.get(dotted_name(value.func) or "")
     return None
@@ -139,7 +177,9 @@ PROOF_EPS = 0.37
 def _vllm_norm(spec: NormSpec, size: int, eps: float):
     from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 
-    return (GemmaRMSNorm if spec.vllm_class == "GemmaRMSNorm" else RMSNorm)(size, eps=eps)
+    return (GemmaRMSNorm if spec.vllm_class == "GemmaRMSNorm" else RMSNorm)(
+        size, eps=eps
+    )
 
 
 def prove(spec: NormSpec, module) -> None:
@@ -148,7 +188,10 @@ def prove(spec: NormSpec, module) -> None:
     from .dataflow import require_close, trace
 
     graph = trace(module)
-    ops = [str(n.target) if n.op != "call_function" else getattr(n.target, "__name__", "") for n in graph.nodes]
+    ops = [
+        str(n.target) if n.op != "call_function" else getattr(n.target, "__name__", "")
+        for n in graph.nodes
+    ]
     for needed in ("pow", "mean", "rsqrt"):
         if needed not in ops:
             raise PatternRefused(f"no `{needed}` in the traced forward")
@@ -171,10 +214,16 @@ def prove(spec: NormSpec, module) -> None:
             # bf16: the same casts in the same places give the same bits
             module_bf16 = type(module).__new__(type(module))
             module_bf16.__dict__.update(module.__dict__)
-            module_bf16._parameters = {k: v.to(torch.bfloat16) for k, v in module._parameters.items()}
+            module_bf16._parameters = {
+                k: v.to(torch.bfloat16) for k, v in module._parameters.items()
+            }
             ours.to(torch.bfloat16)
             xb = x.to(torch.bfloat16)
-            require_close(ours.forward_native(xb), module_bf16(xb), "RMSNorm in bf16 (cast order)", tol=1e-2)
+            require_close(
+                ours.forward_native(xb),
+                module_bf16(xb),
+                "RMSNorm in bf16 (cast order)",
+                tol=1e-2,
+            )
     finally:
         setattr(module, eps_attr, saved)
-

@@ -15,9 +15,15 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def run_cli(*args: str, cwd: Path = REPO, timeout: int = 900) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path = REPO, timeout: int = 900
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -54,7 +60,11 @@ def vllm_engine_free(qwen3_checkpoint, tmp_path_factory):
     init_file = tmp_path_factory.mktemp("dist") / "init"
     with set_current_vllm_config(cfg):
         init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{init_file}", backend="gloo"
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"file://{init_file}",
+            backend="gloo",
         )
         initialize_model_parallel(1, 1)
         yield cfg

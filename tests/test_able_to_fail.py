@@ -28,7 +28,12 @@ MUTATIONS = [
         "q = self.q_norm(q.view(-1, self.num_heads, self.head_dim)).view(q.shape)\n",
         "",
     ),
-    ("qwen3", "sliding window dropped", "per_layer_sliding_window=self.sliding_window,", ""),
+    (
+        "qwen3",
+        "sliding window dropped",
+        "per_layer_sliding_window=self.sliding_window,",
+        "",
+    ),
     (
         "qwen3",
         "tied head untied",
@@ -65,22 +70,32 @@ def test_verification_fails_for_each_feature_switched_off(tmp_path):
         folder.mkdir()
         (folder / f"{model}.py").write_text(original.replace(old, new))
         paths.append(str(folder / f"{model}.py"))
-    script = textwrap.dedent(
-        f"""
+    script = textwrap.dedent(f"""
         import json
         from codemods.verify import _safe_verify
         for path in {paths!r}:
             code, result = _safe_verify(path)
             print("RESULT " + json.dumps({{"code": code, **result}}), flush=True)
-        """
+        """)
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
-    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=900)
-    results = [json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    results = [
+        json.loads(line[7:])
+        for line in run.stdout.splitlines()
+        if line.startswith("RESULT ")
+    ]
     assert len(results) == len(MUTATIONS), run.stderr[-3000:]
     for (model, name, _, _), result in zip(MUTATIONS, results):
         assert result["ok"] is False, (model, name, result)
         if result["code"] == 1:  # it ran: the copy ran, and the numbers differ
             assert result["impl"].startswith(f"_verify_{model}_"), (name, result)
-            assert result["max_abs_logprob_diff"] > 1e-3 or not result["tokens_equal"], (name, result)
+            assert (
+                result["max_abs_logprob_diff"] > 1e-3 or not result["tokens_equal"]
+            ), (name, result)
         else:  # it refused to run: say why
             assert result["code"] == 2 and result["error"], (name, result)

@@ -27,9 +27,18 @@ def test_out_writes_named_after_model_type_and_reports_fusions(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "qwen3.py"]
     assert (tmp_path / "qwen3.py").read_bytes() == COMMITTED.read_bytes()
     report = result.stderr.splitlines()
-    assert "Fused: q_proj + k_proj + v_proj (Qwen3Attention) -> qkv_proj (QKVParallelLinear)" in report
-    assert "Fused: gate_proj + up_proj (Qwen3MLP) -> gate_up_proj (MergedColumnParallelLinear)" in report
-    assert any(line.startswith("Fused: residual add + post_attention_layernorm") for line in report)
+    assert (
+        "Fused: q_proj + k_proj + v_proj (Qwen3Attention) -> qkv_proj (QKVParallelLinear)"
+        in report
+    )
+    assert (
+        "Fused: gate_proj + up_proj (Qwen3MLP) -> gate_up_proj (MergedColumnParallelLinear)"
+        in report
+    )
+    assert any(
+        line.startswith("Fused: residual add + post_attention_layernorm")
+        for line in report
+    )
 
 
 def test_a_path_works_like_the_bare_name(tmp_path):
@@ -75,12 +84,18 @@ def test_check_and_diff_on_a_stale_file_write_nothing(tmp_path):
     assert f"would regenerate {stale}" in check.stderr
     diff = run_cli("codemods.apply", QWEN3, "--out", str(tmp_path), "--diff")
     assert diff.returncode == 0
-    assert "-        self.out_proj" in diff.stdout and "+        self.o_proj" in diff.stdout
+    assert (
+        "-        self.out_proj" in diff.stdout
+        and "+        self.o_proj" in diff.stdout
+    )
     assert stale.read_bytes() == before
 
 
 def test_check_on_a_missing_file_exits_1(tmp_path):
-    assert run_cli("codemods.apply", QWEN3, "--out", str(tmp_path), "--check").returncode == 1
+    assert (
+        run_cli("codemods.apply", QWEN3, "--out", str(tmp_path), "--check").returncode
+        == 1
+    )
     assert not any(tmp_path.iterdir())
 
 
@@ -97,7 +112,9 @@ def _bad_inputs(tmp_path: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("case", ["missing file", "syntax error", "not python", "no model", "unknown name"])
+@pytest.mark.parametrize(
+    "case", ["missing file", "syntax error", "not python", "no model", "unknown name"]
+)
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, case):
     out = tmp_path / "out"
     out.mkdir()

@@ -45,12 +45,23 @@ def test_main_is_current_and_the_second_run_is_cached(tmp_path):
 def test_a_hand_edit_fails_with_a_diff_and_fix_restores_it(tmp_path):
     out = copy_generated(tmp_path)
     edited = out / "qwen3.py"
-    edited.write_text(edited.read_text().replace("return output\n", "return output * 1.0\n", 1))
+    edited.write_text(
+        edited.read_text().replace("return output\n", "return output * 1.0\n", 1)
+    )
     result = run_cli("codemods.check", "--generated", str(out))
     assert result.returncode == 1
-    assert f"would regenerate {edited} (edited by hand or stale); regenerate with: python -m codemods.apply modeling_qwen3.py" in result.stderr
-    assert "-        return output * 1.0" in result.stdout and "+        return output" in result.stdout
-    assert result.stderr.strip().splitlines()[-1] == f"Oh no! 1 file would be regenerated, {MODELS - 1} files current."
+    assert (
+        f"would regenerate {edited} (edited by hand or stale); regenerate with: python -m codemods.apply modeling_qwen3.py"
+        in result.stderr
+    )
+    assert (
+        "-        return output * 1.0" in result.stdout
+        and "+        return output" in result.stdout
+    )
+    assert (
+        result.stderr.strip().splitlines()[-1]
+        == f"Oh no! 1 file would be regenerated, {MODELS - 1} files current."
+    )
     fixed = run_cli("codemods.check", "--generated", str(out), "--fix")
     assert fixed.returncode == 0
     assert edited.read_bytes() == (GENERATED / "qwen3.py").read_bytes()
@@ -63,30 +74,53 @@ def test_drift_a_renamed_projection_is_reported_by_name(tmp_path):
     out = tmp_path / "generated"
     made = run_cli("codemods.apply", str(src), "--out", str(out), "--trust-remote-code")
     assert made.returncode == 0, made.stderr[-2000:]
-    assert run_cli("codemods.check", "--generated", str(out), "--trust-remote-code").returncode == 0
+    assert (
+        run_cli(
+            "codemods.check", "--generated", str(out), "--trust-remote-code"
+        ).returncode
+        == 0
+    )
     # an upgrade renames a projection
     src.write_text(src.read_text().replace("q_proj", "query_proj"))
     result = run_cli("codemods.check", "--generated", str(out), "--trust-remote-code")
     assert result.returncode == 1
-    assert "qwen3: lost fusions recorded in manifest.json: Qwen3Attention: q_proj + k_proj + v_proj -> qkv_proj (QKVParallelLinear)" in result.stderr
+    assert (
+        "qwen3: lost fusions recorded in manifest.json: Qwen3Attention: q_proj + k_proj + v_proj -> qkv_proj (QKVParallelLinear)"
+        in result.stderr
+    )
 
 
 def test_bad_input_gives_a_message_and_an_exit_code_never_a_traceback(tmp_path):
     out = copy_generated(tmp_path)
-    (out / "qwen3.py").write_text("# damaged\n" + (out / "qwen3.py").read_text().split("\n", 12)[-1])
+    (out / "qwen3.py").write_text(
+        "# damaged\n" + (out / "qwen3.py").read_text().split("\n", 12)[-1]
+    )
     damaged = run_cli("codemods.check", "--generated", str(out))
-    assert damaged.returncode == 1 and "its generated header is damaged" in damaged.stderr
+    assert (
+        damaged.returncode == 1 and "its generated header is damaged" in damaged.stderr
+    )
 
     (out / "qwen3.py").unlink()
     missing = run_cli("codemods.check", "--generated", str(out))
-    assert missing.returncode == 1 and "(missing); regenerate with: python -m codemods.apply modeling_qwen3.py" in missing.stderr
+    assert (
+        missing.returncode == 1
+        and "(missing); regenerate with: python -m codemods.apply modeling_qwen3.py"
+        in missing.stderr
+    )
 
     manifest = json.loads((out / "manifest.json").read_text())
-    manifest["gone"] = {"source": "transformers/models/gone/modeling_gone.py", "fusions": {}, "refusals": []}
+    manifest["gone"] = {
+        "source": "transformers/models/gone/modeling_gone.py",
+        "fusions": {},
+        "refusals": [],
+    }
     (out / "manifest.json").write_text(json.dumps(manifest))
     gone = run_cli("codemods.check", "--generated", str(out))
     assert gone.returncode == 2
-    assert "error: gone: its source transformers/models/gone/modeling_gone.py no longer exists" in gone.stderr
+    assert (
+        "error: gone: its source transformers/models/gone/modeling_gone.py no longer exists"
+        in gone.stderr
+    )
 
     (out / "manifest.json").write_text("{not json")
     broken = run_cli("codemods.check", "--generated", str(out))

@@ -25,15 +25,21 @@ def verify_json(*args: str) -> tuple[int, dict]:
     return result.returncode, json.loads(last)
 
 
-@pytest.mark.parametrize("parallel", [[], ["--tp", "2"], ["--pp", "2"]], ids=["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize(
+    "parallel", [[], ["--tp", "2"], ["--pp", "2"]], ids=["tp1", "tp2", "pp2"]
+)
 def test_verify_qwen3(parallel):
     rc, out = verify_json("qwen3", *parallel)
     assert rc == 0, out
     assert out["ok"] is True
     assert out["impl"] == "generated.qwen3:Qwen3ForCausalLM"
     assert out["tokens_equal"] is True and out["max_abs_logprob_diff"] <= 1e-4
-    assert (out["tp"], out["pp"]) == ((2, 1) if "--tp" in parallel else (1, 2) if parallel else (1, 1))
-    assert "mixed_layer_types" in out["features"] and "attention_bias" in out["features"]
+    assert (out["tp"], out["pp"]) == (
+        (2, 1) if "--tp" in parallel else (1, 2) if parallel else (1, 1)
+    )
+    assert (
+        "mixed_layer_types" in out["features"] and "attention_bias" in out["features"]
+    )
 
 
 def test_kv_heads_replicated_when_fewer_than_ranks():
@@ -49,7 +55,9 @@ def test_verify_all_prints_a_table_and_every_model_passes():
     header = next(i for i, line in enumerate(lines) if line.startswith("arch "))
     assert "features on" in lines[header] and "max |dlogprob|" in lines[header]
     rows = [json.loads(line) for line in lines if line.startswith("{")]
-    assert {r["arch"] for r in rows} == {p.stem for p in (REPO / "generated").glob("[!_]*.py")}
+    assert {r["arch"] for r in rows} == {
+        p.stem for p in (REPO / "generated").glob("[!_]*.py")
+    }
     assert all(r["ok"] and r["fused"] > 0 for r in rows)
 
 
@@ -82,18 +90,25 @@ def test_full_forward_logits_match_transformers(qwen3_checkpoint, tmp_path):
     """Every vocabulary logit at every prompt position, from one engine forward."""
     ckpt, hf = qwen3_checkpoint
     prompts = [[1, 5, 9, 200, 33, 7, 401, 12, 99, 3, 17, 250], [4, 8, 15, 16, 23, 42]]
-    script = textwrap.dedent(
-        f"""
+    script = textwrap.dedent(f"""
         import json, torch
         from codemods import engine
         impl, logits = engine.prompt_logits({str(ckpt)!r}, "GeneratedQwen3ForCausalLM", {prompts!r})
         torch.save(logits, {str(tmp_path / "logits.pt")!r})
         print(json.dumps({{"impl": impl}}))
-        """
+        """)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1])["impl"] == "generated.qwen3:Qwen3ForCausalLM"
+    assert (
+        json.loads(result.stdout.strip().splitlines()[-1])["impl"]
+        == "generated.qwen3:Qwen3ForCausalLM"
+    )
     logits = torch.load(tmp_path / "logits.pt")
     with torch.no_grad():
         for prompt, got in zip(prompts, logits):

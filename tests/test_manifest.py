@@ -19,8 +19,18 @@ def test_manifest_records_the_qwen3_fusions_and_source_hash():
     entry = json.loads((GENERATED / "manifest.json").read_text())["qwen3"]
     source = next(transformers_root().glob("models/qwen3/modeling_qwen3.py"))
     assert entry["sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
-    assert entry["fusions"]["Qwen3Attention"]["q_proj + k_proj + v_proj -> qkv_proj (QKVParallelLinear)"] == 1
-    assert entry["fusions"]["Qwen3DecoderLayer"]["input_layernorm -> input_layernorm (RMSNorm)"] == 1
+    assert (
+        entry["fusions"]["Qwen3Attention"][
+            "q_proj + k_proj + v_proj -> qkv_proj (QKVParallelLinear)"
+        ]
+        == 1
+    )
+    assert (
+        entry["fusions"]["Qwen3DecoderLayer"][
+            "input_layernorm -> input_layernorm (RMSNorm)"
+        ]
+        == 1
+    )
     assert entry["refusals"] == []
 
 
@@ -35,16 +45,30 @@ def test_a_regeneration_that_loses_a_fusion_fails_unless_accepted(tmp_path):
     edited.parent.mkdir()
     edited.write_text(SOURCE.replace(glu, glu.replace(" * ", " + ")))
 
-    lost = run_cli("codemods.apply", str(edited), "--out", str(out), "--trust-remote-code")
+    lost = run_cli(
+        "codemods.apply", str(edited), "--out", str(out), "--trust-remote-code"
+    )
     assert lost.returncode == 1
-    assert "loses fusions recorded in manifest.json: Qwen3MLP: gate_proj + up_proj -> gate_up_proj" in lost.stderr
+    assert (
+        "loses fusions recorded in manifest.json: Qwen3MLP: gate_proj + up_proj -> gate_up_proj"
+        in lost.stderr
+    )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
-    accepted = run_cli("codemods.apply", str(edited), "--out", str(out), "--trust-remote-code", "--accept-lost-fusions")
+    accepted = run_cli(
+        "codemods.apply",
+        str(edited),
+        "--out",
+        str(out),
+        "--trust-remote-code",
+        "--accept-lost-fusions",
+    )
     assert accepted.returncode == 0, accepted.stderr[-2000:]
     entry = json.loads((out / "manifest.json").read_text())["qwen3"]
     assert "Qwen3MLP" not in entry["fusions"]
-    assert entry["refusals"] == ["Refused: gate/up projections (Qwen3MLP): forward has no `down(act(gate(x)) * up(x))` product"]
+    assert entry["refusals"] == [
+        "Refused: gate/up projections (Qwen3MLP): forward has no `down(act(gate(x)) * up(x))` product"
+    ]
 
 
 def test_check_fails_on_a_stale_manifest(tmp_path):
@@ -54,6 +78,8 @@ def test_check_fails_on_a_stale_manifest(tmp_path):
     manifest = json.loads((GENERATED / "manifest.json").read_text())
     manifest["qwen3"]["sha256"] = "0" * 64
     (out / "manifest.json").write_text(json.dumps(manifest))
-    result = run_cli("codemods.apply", "modeling_qwen3.py", "--out", str(out), "--check")
+    result = run_cli(
+        "codemods.apply", "modeling_qwen3.py", "--out", str(out), "--check"
+    )
     assert result.returncode == 1
     assert f"would regenerate {out / 'manifest.json'}" in result.stderr

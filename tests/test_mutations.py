@@ -33,8 +33,7 @@ def outcomes(tmp_path_factory):
     for name, old, new, _ in MUTANTS:
         (root / name).mkdir()
         (root / name / "modeling_qwen3.py").write_text(SOURCE.replace(old, new, 1))
-    script = textwrap.dedent(
-        f"""
+    script = textwrap.dedent(f"""
         import json, os
         from pathlib import Path
         from codemods.apply import generate, output_path
@@ -51,19 +50,26 @@ def outcomes(tmp_path_factory):
             out.write_text(text)
             code, result = _safe_verify(str(out), trust_remote_code=True)
             print("OUTCOME " + json.dumps({{"name": folder.name, "report": plan.report(), "code": code, **result}}), flush=True)
-        """
+        """)
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
-    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=1800)
     found = {}
     for line in run.stdout.splitlines():
         if line.startswith("OUTCOME "):
-            outcome = json.loads(line[len("OUTCOME "):])
+            outcome = json.loads(line[len("OUTCOME ") :])
             found[outcome["name"]] = outcome
     assert len(found) == len(MUTANTS), run.stderr[-3000:]
     return found
 
 
-@pytest.mark.parametrize("name,expectation", [(m[0], m[3]) for m in MUTANTS], ids=[m[0] for m in MUTANTS])
+@pytest.mark.parametrize(
+    "name,expectation", [(m[0], m[3]) for m in MUTANTS], ids=[m[0] for m in MUTANTS]
+)
 def test_mutant(outcomes, name, expectation):
     outcome = outcomes[name]
     kind, detail = expectation

@@ -13,13 +13,18 @@ from codemods.verify import read_header, reference_class
 
 # arch -> (parameters only the generated model has, why)
 KNOWN_DIFFERENCES = {
-    "qwen3": ("self_attn.o_proj.bias", "transformers gives o_proj a bias when attention_bias is on; vLLM's qwen3.py drops it"),
+    "qwen3": (
+        "self_attn.o_proj.bias",
+        "transformers gives o_proj a bias when attention_bias is on; vLLM's qwen3.py drops it",
+    ),
     "llama": ("", ""),
     "mistral": ("", ""),
     "qwen2": ("", ""),
 }
 
-ARCHS = sorted(p.stem for p in (REPO / "generated").glob("*.py") if not p.name.startswith("_"))
+ARCHS = sorted(
+    p.stem for p in (REPO / "generated").glob("*.py") if not p.name.startswith("_")
+)
 
 
 def engine_config(ckpt, arch):
@@ -47,12 +52,18 @@ def test_parameters_match_the_native_class(model, vllm_engine_free, tmp_path):
     config = tiny.tiny_config(causal_cls.config_class)
     tiny.build_checkpoint(causal_cls, config, tmp_path)
     ours_cls = getattr(importlib.import_module(f"generated.{model}"), causal_name)
-    ours, _, _ = build_loaded(ours_cls, engine_config(tmp_path, arch), tmp_path, process=False)
+    ours, _, _ = build_loaded(
+        ours_cls, engine_config(tmp_path, arch), tmp_path, process=False
+    )
 
-    native_cls, _ = ModelRegistry.resolve_model_cls([causal_name], engine_config(tmp_path, causal_name).model_config)
+    native_cls, _ = ModelRegistry.resolve_model_cls(
+        [causal_name], engine_config(tmp_path, causal_name).model_config
+    )
     native_cfg = engine_config(tmp_path, causal_name)
     hf_config = native_cfg.model_config.hf_config
-    if len(set(getattr(hf_config, "layer_types", None) or [])) > 1 and hasattr(hf_config, "max_window_layers"):
+    if len(set(getattr(hf_config, "layer_types", None) or [])) > 1 and hasattr(
+        hf_config, "max_window_layers"
+    ):
         # vLLM's Qwen2Model (qwen2, qwen3) rejects a mix of sliding and full layers at load,
         # which the generated models serve; parameter shapes do not depend on it
         hf_config.max_window_layers = hf_config.num_hidden_layers

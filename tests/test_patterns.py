@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from codemods.apply import generate
 from codemods.source import transformers_root
 
@@ -22,17 +20,27 @@ def mutant(tmp_path: Path, old: str, new: str) -> str:
 
 
 def test_glu_either_operand_order_gives_the_same_model(tmp_path):
-    swapped = mutant(tmp_path, GLU, "self.down_proj(self.up_proj(x) * self.act_fn(self.gate_proj(x)))")
+    swapped = mutant(
+        tmp_path,
+        GLU,
+        "self.down_proj(self.up_proj(x) * self.act_fn(self.gate_proj(x)))",
+    )
     plan, text = generate(swapped, trust_remote_code=True)
     assert plan.packed_modules_mapping()["gate_up_proj"] == ["gate_proj", "up_proj"]
     original = generate("modeling_qwen3.py")[1]
-    strip = lambda t: t.split('"""', 2)[2]  # noqa: E731  (header and docstring name the source)
+    strip = lambda t: t.split('"""', 2)[
+        2
+    ]  # noqa: E731  (header and docstring name the source)
     assert strip(text) == strip(original)
 
 
 def test_glu_shard_order_follows_the_activation(tmp_path):
     """Activation on up: up is shard 0, which vLLM's ...AndMul activates."""
-    moved = mutant(tmp_path, GLU, "self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))")
+    moved = mutant(
+        tmp_path,
+        GLU,
+        "self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))",
+    )
     plan, _ = generate(moved, trust_remote_code=True)
     assert plan.packed_modules_mapping()["up_gate_proj"] == ["up_proj", "gate_proj"]
     assert (".mlp.up_proj.", ".mlp.up_gate_proj.", 0) in plan.stacked_params()

@@ -1,7 +1,8 @@
 """Engine-free, two tensor-parallel ranks: each rank's slice of the merged q/k/v and
 gate/up weights equals the matching slices of the transformers weights, shard by shard
 (the sharding trap: a contiguous split of the merged matrix would give rank 0 only q rows).
-Covers kv heads split across ranks and kv heads replicated (fewer kv heads than ranks)."""
+Covers kv heads split across ranks and kv heads replicated (fewer kv heads than ranks).
+"""
 
 from __future__ import annotations
 
@@ -45,7 +46,11 @@ def _rank(rank: int, port: int, ckpt: str, out: str) -> None:
     ).create_engine_config()
     with set_current_vllm_config(cfg):
         init_distributed_environment(
-            world_size=TP, rank=rank, local_rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo"
+            world_size=TP,
+            rank=rank,
+            local_rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            backend="gloo",
         )
         initialize_model_parallel(TP, 1)
         with set_default_torch_dtype(torch.float32):
@@ -68,10 +73,17 @@ def _rank(rank: int, port: int, ckpt: str, out: str) -> None:
 def test_each_rank_holds_its_own_shards(tmp_path, kv_heads):
     from transformers import Qwen3ForCausalLM
 
-    config = tiny.tiny_config(Qwen3ForCausalLM.config_class, {"num_key_value_heads": kv_heads})
+    config = tiny.tiny_config(
+        Qwen3ForCausalLM.config_class, {"num_key_value_heads": kv_heads}
+    )
     ckpt = tmp_path / "ckpt"
     hf = tiny.build_checkpoint(Qwen3ForCausalLM, config, ckpt)
-    mp.start_processes(_rank, args=(_free_port(), str(ckpt), str(tmp_path)), nprocs=TP, start_method="spawn")
+    mp.start_processes(
+        _rank,
+        args=(_free_port(), str(ckpt), str(tmp_path)),
+        nprocs=TP,
+        start_method="spawn",
+    )
 
     attn, mlp = hf.model.layers[0].self_attn, hf.model.layers[0].mlp
     hd = config.head_dim
@@ -93,7 +105,9 @@ def test_each_rank_holds_its_own_shards(tmp_path, kv_heads):
         gate = mlp.gate_proj.weight[rank * inter : (rank + 1) * inter]
         up = mlp.up_proj.weight[rank * inter : (rank + 1) * inter]
         assert torch.equal(got["gate_up"], torch.cat([gate, up]))
-        assert torch.equal(got["down"], mlp.down_proj.weight[:, rank * inter : (rank + 1) * inter])
+        assert torch.equal(
+            got["down"], mlp.down_proj.weight[:, rank * inter : (rank + 1) * inter]
+        )
         # a contiguous split of the merged matrix would not match: the trap is visible
         merged = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         assert not torch.equal(got["qkv"], merged.chunk(TP)[rank])

@@ -21,7 +21,12 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vllm.model_executor.layers.layernorm", ("GemmaRMSNorm", "RMSNorm")),
     (
         "vllm.model_executor.layers.linear",
-        ("ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear"),
+        (
+            "ColumnParallelLinear",
+            "MergedColumnParallelLinear",
+            "QKVParallelLinear",
+            "RowParallelLinear",
+        ),
     ),
     ("vllm.model_executor.layers.logits_processor", ("LogitsProcessor",)),
     ("vllm.model_executor.layers.quantization", ("QuantizationConfig",)),
@@ -30,7 +35,10 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "vllm.model_executor.layers.vocab_parallel_embedding",
         ("ParallelLMHead", "VocabParallelEmbedding"),
     ),
-    ("vllm.model_executor.models.interfaces", ("SupportsLoRA", "SupportsPP", "SupportsQuant")),
+    (
+        "vllm.model_executor.models.interfaces",
+        ("SupportsLoRA", "SupportsPP", "SupportsQuant"),
+    ),
     (
         "vllm.model_executor.models.utils",
         (
@@ -49,7 +57,12 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 def imports_for(body: str) -> str:
     """Import lines for the names `body` uses, grouped stdlib / torch / vllm."""
-    groups: dict[str, list[str]] = {"std": [], "torch": ["import torch"], "transformers": [], "vllm": []}
+    groups: dict[str, list[str]] = {
+        "std": [],
+        "torch": ["import torch"],
+        "transformers": [],
+        "vllm": [],
+    }
     for module, names in IMPORTS:
         used = [n for n in names if re.search(rf"\b{n}\b", body)]
         if used:

@@ -9,10 +9,20 @@ from fusion_patterns.qkv import QKVSpec
 from fusion_patterns.rms_norm import NormSpec, is_norm_call
 
 from ..errors import CodemodError
-from .common import ATTENTION_EXTRAS, indent, norm_construction, signature, translate_init
+from .common import (
+    ATTENTION_EXTRAS,
+    indent,
+    norm_construction,
+    signature,
+    translate_init,
+)
 
 # Keyword arguments of the transformers attention call -> vLLM `Attention` arguments.
-CALL_KWARGS = {"scaling": "scale", "sliding_window": "per_layer_sliding_window", "softcap": "logits_soft_cap"}
+CALL_KWARGS = {
+    "scaling": "scale",
+    "sliding_window": "per_layer_sliding_window",
+    "softcap": "logits_soft_cap",
+}
 # Training-only arguments with no effect at inference.
 IGNORED_KWARGS = {"dropout"}
 
@@ -41,7 +51,7 @@ def _qkv_block(spec: QKVSpec) -> list[str]:
 
 
 def _attention_args(spec: QKVSpec) -> list[str]:
-    args = [f"self.num_heads", f"self.{spec.head_dim_attr}"]
+    args = ["self.num_heads", f"self.{spec.head_dim_attr}"]
     kwargs = {}
     for name, value in spec.call_kwargs.items():
         if name in IGNORED_KWARGS:
@@ -52,9 +62,15 @@ def _attention_args(spec: QKVSpec) -> list[str]:
             )
         kwargs[CALL_KWARGS[name]] = code(value)
     if "scale" not in kwargs:
-        raise CodemodError(f"cannot generate: {spec.class_name} passes no `scaling=` to its attention call")
+        raise CodemodError(
+            f"cannot generate: {spec.class_name} passes no `scaling=` to its attention call"
+        )
     args.append(kwargs.pop("scale"))
-    args += ["num_kv_heads=self.num_kv_heads", "cache_config=cache_config", "quant_config=quant_config"]
+    args += [
+        "num_kv_heads=self.num_kv_heads",
+        "cache_config=cache_config",
+        "quant_config=quant_config",
+    ]
     args += [f"{k}={v}" for k, v in kwargs.items()]
     args.append('prefix=f"{prefix}.attn"')
     return args
@@ -92,20 +108,25 @@ def emit(info: ClassInfo, spec: QKVSpec, norms: dict[str, NormSpec], neox: bool)
     ]
     if spec.q_norm or spec.k_norm:
         fwd.append("# q/k norms per head, as the source applies them")
-    for norm, var, heads in ((spec.q_norm, "q", "self.num_heads"), (spec.k_norm, "k", "self.num_kv_heads")):
+    for norm, var, heads in (
+        (spec.q_norm, "q", "self.num_heads"),
+        (spec.k_norm, "k", "self.num_kv_heads"),
+    ):
         if norm is not None:
-            fwd.append(f"{var} = self.{norm.attr}({var}.view(-1, {heads}, {hd})).view({var}.shape)")
+            fwd.append(
+                f"{var} = self.{norm.attr}({var}.view(-1, {heads}, {hd})).view({var}.shape)"
+            )
     fwd += [
         "q, k = self.rotary_emb(positions, q, k)",
         "attn_output = self.attn(q, k, v)",
         f"output, _ = self.{spec.out_proj}(attn_output)",
         "return output",
     ]
-    return f'''
+    return f"""
 class {info.name}(nn.Module):
     def __init__({signature(info, ATTENTION_EXTRAS)}) -> None:
 {indent(body)}
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
 {indent(fwd)}
-'''
+"""

@@ -36,22 +36,34 @@ def source_params(info: ClassInfo, drop: tuple[str, ...] = ()) -> list[str]:
     if info.init is None:
         return []
     params = info.init.params
-    if params.star_arg not in (cst.MaybeSentinel.DEFAULT, None) or params.star_kwarg or params.kwonly_params:
-        raise CodemodError(f"cannot generate: {info.name}.__init__ takes *args/**kwargs or keyword-only arguments")
+    if (
+        params.star_arg not in (cst.MaybeSentinel.DEFAULT, None)
+        or params.star_kwarg
+        or params.kwonly_params
+    ):
+        raise CodemodError(
+            f"cannot generate: {info.name}.__init__ takes *args/**kwargs or keyword-only arguments"
+        )
     # Annotations are dropped: they may name source-only imports (e.g. the config class).
     kept = [p for p in params.params if p.name.value not in ("self", *drop)]
     return [p.name.value + (f"={code(p.default)}" if p.default else "") for p in kept]
 
 
-def signature(info: ClassInfo, extras: tuple[str, ...], drop: tuple[str, ...] = ()) -> str:
-    return ", ".join(["self", *source_params(info, drop), *(EXTRA_PARAMS[e] for e in extras)])
+def signature(
+    info: ClassInfo, extras: tuple[str, ...], drop: tuple[str, ...] = ()
+) -> str:
+    return ", ".join(
+        ["self", *source_params(info, drop), *(EXTRA_PARAMS[e] for e in extras)]
+    )
 
 
 def with_extras(call: cst.Call, extras: tuple[str, ...], attr: str) -> str:
     """`Cls(args)` -> `Cls(args, cache_config=cache_config, ..., prefix=f"{prefix}.<attr>")`."""
     args = [code(a).rstrip(", ") for a in call.args]
     for extra in extras:
-        args.append(f'prefix=f"{{prefix}}.{attr}"' if extra == "prefix" else f"{extra}={extra}")
+        args.append(
+            f'prefix=f"{{prefix}}.{attr}"' if extra == "prefix" else f"{extra}={extra}"
+        )
     return f"{code(call.func)}({', '.join(args)})"
 
 
@@ -61,7 +73,9 @@ def norm_construction(spec: NormSpec, call: cst.Call) -> str:
     return f"{spec.vllm_class}({code(size)}{eps_arg})"
 
 
-def translate_init(info: ClassInfo, translate: Translate, prologue: tuple[str, ...] = ()) -> list[str]:
+def translate_init(
+    info: ClassInfo, translate: Translate, prologue: tuple[str, ...] = ()
+) -> list[str]:
     """The source `__init__` body, statement by statement, with `self.<attr> = <value>`
     statements replaced by what `translate` returns (None keeps the statement as is).
     Docstrings are dropped; everything else is kept verbatim, so plain attributes the
@@ -69,13 +83,26 @@ def translate_init(info: ClassInfo, translate: Translate, prologue: tuple[str, .
     `prologue` lines go right after `super().__init__()`."""
     out: list[str] = []
     for stmt in info.init_statements():
-        if m.matches(stmt, m.SimpleStatementLine([m.Expr(m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")))))])):
+        if m.matches(
+            stmt,
+            m.SimpleStatementLine(
+                [m.Expr(m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")))))]
+            ),
+        ):
             out.append("super().__init__()")
             out.extend(prologue)
             continue
-        if m.matches(stmt, m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())])):
+        if m.matches(
+            stmt,
+            m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())]),
+        ):
             continue
-        if m.matches(stmt, m.SimpleStatementLine([m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))])])):
+        if m.matches(
+            stmt,
+            m.SimpleStatementLine(
+                [m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))])]
+            ),
+        ):
             assign = stmt.body[0]
             lines = translate(assign.targets[0].target.attr.value, assign.value)
             if lines is not None:

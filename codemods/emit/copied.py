@@ -21,5 +21,8 @@ def emit(s: ModelStructure) -> list[str]:
     out = []
     for name in copied_norm_classes(s):
         node = s.classes[name].node.with_changes(decorators=[])
-        out.append(f"# Copied from {s.source.display}: not proven equal to a vLLM norm (see the report)\n" + code(node))
+        out.append(
+            f"# Copied from {s.source.display}: not proven equal to a vLLM norm (see the report)\n"
+            + code(node)
+        )
     return out

@@ -33,7 +33,7 @@ def emit(info: ClassInfo, spec: GLUSpec) -> str:
         return None
 
     body = translate_init(info, translate)
-    return f'''
+    return f"""
 class {info.name}(nn.Module):
     def __init__({signature(info, MLP_EXTRAS)}) -> None:
 {indent(body)}
@@ -42,7 +42,7 @@ class {info.name}(nn.Module):
         {spec.merged}, _ = self.{spec.merged}(x)
         x, _ = self.{spec.down}(self.{spec.act_attr}({spec.merged}))
         return x
-'''
+"""
 
 
 def emit_unfused(info: ClassInfo, columns: list[str], rows: list[str]) -> str:
@@ -62,15 +62,19 @@ def emit_unfused(info: ClassInfo, columns: list[str], rows: list[str]) -> str:
         return None
 
     body = translate_init(info, translate)
-    forward = code(info.forward.visit(_LinearOutputs(set(columns) | set(rows)))).strip("\n").splitlines()
-    return f'''
+    forward = (
+        code(info.forward.visit(_LinearOutputs(set(columns) | set(rows))))
+        .strip("\n")
+        .splitlines()
+    )
+    return f"""
 class {info.name}(nn.Module):
     # Not fused (see the report): the source's own forward on sharded projections.
     def __init__({signature(info, MLP_EXTRAS)}) -> None:
 {indent(body)}
 
 {indent(forward, 1)}
-'''
+"""
 
 
 class _LinearOutputs(cst.CSTTransformer):
@@ -87,5 +91,7 @@ class _LinearOutputs(cst.CSTTransformer):
             and func.value.value == "self"
             and func.attr.value in self.linears
         ):
-            return cst.Subscript(value=updated, slice=[cst.SubscriptElement(cst.Index(cst.Integer("0")))])
+            return cst.Subscript(
+                value=updated, slice=[cst.SubscriptElement(cst.Index(cst.Integer("0")))]
+            )
         return updated

@@ -29,7 +29,9 @@ def emit_layer(plan: ModelPlan) -> str:
     params = [p.name.value for p in layer.init.params.params if p.name.value != "self"]
     unknown = set(params) - {"config", "layer_idx"}
     if unknown:
-        raise CodemodError(f"cannot generate: {layer.name}.__init__ takes {sorted(unknown)}, not emitted yet")
+        raise CodemodError(
+            f"cannot generate: {layer.name}.__init__ takes {sorted(unknown)}, not emitted yet"
+        )
 
     def translate(attr: str, value: cst.BaseExpression) -> list[str] | None:
         if attr in extras:
@@ -38,7 +40,9 @@ def emit_layer(plan: ModelPlan) -> str:
             return [f"self.{attr} = {norm_construction(norm, value)}"]
         return None
 
-    prologue = ("layer_idx = extract_layer_index(prefix)",) if "layer_idx" in params else ()
+    prologue = (
+        ("layer_idx = extract_layer_index(prefix)",) if "layer_idx" in params else ()
+    )
     body = translate_init(layer, translate, prologue)
 
     if s.layer_spec is None:
@@ -51,17 +55,21 @@ def emit_layer(plan: ModelPlan) -> str:
                 "    residual = hidden_states",
                 f"    hidden_states = self.{block.norm}(hidden_states)",
                 "else:",
-                f"    # the previous layer's residual add, fused into this norm",
+                "    # the previous layer's residual add, fused into this norm",
                 f"    hidden_states, residual = self.{block.norm}(hidden_states, residual)",
             ]
         else:
-            fwd.append(f"hidden_states, residual = self.{block.norm}(hidden_states, residual)")
+            fwd.append(
+                f"hidden_states, residual = self.{block.norm}(hidden_states, residual)"
+            )
         if block.mixer == s.attn_attr:
-            fwd.append(f"hidden_states = self.{block.mixer}(positions=positions, hidden_states=hidden_states)")
+            fwd.append(
+                f"hidden_states = self.{block.mixer}(positions=positions, hidden_states=hidden_states)"
+            )
         else:
             fwd.append(f"hidden_states = self.{block.mixer}(hidden_states)")
     fwd.append("return hidden_states, residual")
-    return f'''
+    return f"""
 class {layer.name}(nn.Module):
     def __init__({signature(layer, LAYER_EXTRAS, drop=("layer_idx",))}) -> None:
 {indent(body)}
@@ -70,7 +78,7 @@ class {layer.name}(nn.Module):
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
 {indent(fwd)}
-'''
+"""
 
 
 def _unfused_layer(plan: ModelPlan, init_body: list[str]) -> str:
@@ -78,13 +86,20 @@ def _unfused_layer(plan: ModelPlan, init_body: list[str]) -> str:
     vLLM's signatures: the residual adds stay where the source has them."""
     s = plan.structure
     layer = s.layer
-    params = [p.name.value for p in layer.forward.params.params if p.name.value != "self"]
+    params = [
+        p.name.value for p in layer.forward.params.params if p.name.value != "self"
+    ]
     stream = params[0]
     body = cst.Module(body=list(layer.forward.body.body)).visit(
-        _SublayerCalls({s.attn_attr: "attention", s.mlp_attr: "mlp"}, stream, set(params[1:]), layer.name)
+        _SublayerCalls(
+            {s.attn_attr: "attention", s.mlp_attr: "mlp"},
+            stream,
+            set(params[1:]),
+            layer.name,
+        )
     )
     lines = [line for line in body.code.strip("\n").splitlines()]
-    return f'''
+    return f"""
 class {layer.name}(nn.Module):
     # Residual adds not fused into the norms (see the report): the source's own layout.
     def __init__({signature(layer, LAYER_EXTRAS, drop=("layer_idx",))}) -> None:
@@ -92,25 +107,42 @@ class {layer.name}(nn.Module):
 
     def forward(self, positions: torch.Tensor, {stream}: torch.Tensor) -> torch.Tensor:
 {indent(lines)}
-'''
+"""
 
 
 class _SublayerCalls(cst.CSTTransformer):
     """`h, _ = self.self_attn(hidden_states=h, mask=..., ...)` -> `h = self.self_attn(positions=positions, hidden_states=h)`."""
 
-    def __init__(self, kinds: dict[str, str], stream: str, other_params: set[str], owner: str):
-        self.kinds, self.stream, self.other_params, self.owner = kinds, stream, other_params, owner
+    def __init__(
+        self, kinds: dict[str, str], stream: str, other_params: set[str], owner: str
+    ):
+        self.kinds, self.stream, self.other_params, self.owner = (
+            kinds,
+            stream,
+            other_params,
+            owner,
+        )
         self.in_call = 0
 
     def leave_Assign(self, original: cst.Assign, updated: cst.Assign) -> cst.Assign:
         value = updated.value
-        if m.matches(value, m.Call(func=m.Attribute(value=m.Name("self")))) and value.func.attr.value in self.kinds:
+        if (
+            m.matches(value, m.Call(func=m.Attribute(value=m.Name("self"))))
+            and value.func.attr.value in self.kinds
+        ):
             target = updated.targets[0].target
             if isinstance(target, cst.Tuple):
                 target = target.elements[0].value
-            args = [a for a in value.args if not a.star and (a.keyword is None or a.keyword.value == "hidden_states")]
+            args = [
+                a
+                for a in value.args
+                if not a.star
+                and (a.keyword is None or a.keyword.value == "hidden_states")
+            ]
             if len(args) != 1:
-                raise CodemodError(f"cannot generate: {self.owner} calls self.{value.func.attr.value} without one hidden-states argument")
+                raise CodemodError(
+                    f"cannot generate: {self.owner} calls self.{value.func.attr.value} without one hidden-states argument"
+                )
             hidden = code(args[0].value)
             kind = self.kinds[value.func.attr.value]
             call = (
@@ -118,16 +150,23 @@ class _SublayerCalls(cst.CSTTransformer):
                 if kind == "attention"
                 else f"self.{value.func.attr.value}({hidden})"
             )
-            return updated.with_changes(targets=[cst.AssignTarget(target)], value=cst.parse_expression(call))
+            return updated.with_changes(
+                targets=[cst.AssignTarget(target)], value=cst.parse_expression(call)
+            )
         return updated
 
     def visit_Name(self, node: cst.Name) -> None:
         if node.value in self.other_params:
-            raise CodemodError(f"cannot generate: {self.owner}.forward uses `{node.value}` outside its sublayer calls")
+            raise CodemodError(
+                f"cannot generate: {self.owner}.forward uses `{node.value}` outside its sublayer calls"
+            )
 
     def visit_Call(self, node: cst.Call) -> bool:
         # arguments of sublayer calls are rewritten, not checked
-        return not (m.matches(node.func, m.Attribute(value=m.Name("self"))) and node.func.attr.value in self.kinds)
+        return not (
+            m.matches(node.func, m.Attribute(value=m.Name("self")))
+            and node.func.attr.value in self.kinds
+        )
 
 
 def emit_model(plan: ModelPlan) -> str:
@@ -136,7 +175,11 @@ def emit_model(plan: ModelPlan) -> str:
     embed = base.attrs[s.embed_attr]
     vocab, hidden = (a.value for a in embed.args[:2])
     norm = s.norms.get(base.constructed_class(s.final_norm_attr))
-    final_norm = norm_construction(norm, base.attrs[s.final_norm_attr]) if norm else code(base.attrs[s.final_norm_attr])
+    final_norm = (
+        norm_construction(norm, base.attrs[s.final_norm_attr])
+        if norm
+        else code(base.attrs[s.final_norm_attr])
+    )
     fused = s.layer_spec is not None
     keys = '["hidden_states", "residual"]' if fused else '["hidden_states"]'
     if fused:
@@ -158,8 +201,10 @@ def emit_model(plan: ModelPlan) -> str:
         if tied
         else "get_pp_group().is_first_rank"
     )
-    stacked = ",\n".join(f"        {k!r}: ({v!r}, {sid!r})" for k, v, sid in plan.stacked_params())
-    return f'''
+    stacked = ",\n".join(
+        f"        {k!r}: ({v!r}, {sid!r})" for k, v, sid in plan.stacked_params()
+    )
+    return f"""
 @support_torch_compile
 class {base.name}(nn.Module):
     # checkpoint name -> (merged parameter, shard id), from the fusion records
@@ -225,7 +270,7 @@ class {base.name}(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
         return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
-'''
+"""
 
 
 def emit_causal_lm(plan: ModelPlan) -> str:
@@ -233,7 +278,9 @@ def emit_causal_lm(plan: ModelPlan) -> str:
     causal = s.causal
     in_size, vocab, bias = linear_args(causal.attrs[s.head_attr])
     head_bias = "" if code(bias) == "False" else f", bias={code(bias)}"
-    packed = ",\n".join(f"        {k!r}: {v!r}" for k, v in plan.packed_modules_mapping().items())
+    packed = ",\n".join(
+        f"        {k!r}: {v!r}" for k, v in plan.packed_modules_mapping().items()
+    )
     tie = (
         f"""
             if config.tie_word_embeddings:
@@ -241,7 +288,7 @@ def emit_causal_lm(plan: ModelPlan) -> str:
         if plan.tied_embeddings
         else ""
     )
-    return f'''
+    return f"""
 class {causal.name}(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {{
@@ -283,4 +330,4 @@ class {causal.name}(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
         return loader.load_weights(weights)
-'''
+"""
