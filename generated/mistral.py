@@ -19,6 +19,7 @@
 """Native vLLM implementation of MistralForCausalLM, generated from transformers/models/mistral/modeling_mistral.py."""
 
 from collections.abc import Iterable
+from copy import copy
 from itertools import islice
 
 import torch
@@ -148,6 +149,15 @@ class MistralAttention(nn.Module):
             is_neox_style=True,
             rope_parameters=config.rope_parameters,
         )
+        sliding_window = getattr(self.config, "sliding_window", None)
+        if (
+            sliding_window is None
+            and cache_config is not None
+            and cache_config.sliding_window
+        ):
+            # the source attends fully here: keep vLLM from applying the model-level window
+            cache_config = copy(cache_config)
+            cache_config.sliding_window = None
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -155,7 +165,7 @@ class MistralAttention(nn.Module):
             num_kv_heads=self.num_kv_heads,
             cache_config=cache_config,
             quant_config=quant_config,
-            per_layer_sliding_window=getattr(self.config, "sliding_window", None),
+            per_layer_sliding_window=sliding_window,
             prefix=f"{prefix}.attn",
         )
 

@@ -21,6 +21,7 @@
 """Native vLLM implementation of Qwen3ForCausalLM, generated from transformers/models/qwen3/modeling_qwen3.py."""
 
 from collections.abc import Iterable
+from copy import copy
 from itertools import islice
 
 import torch
@@ -157,6 +158,15 @@ class Qwen3Attention(nn.Module):
             is_neox_style=True,
             rope_parameters=config.rope_parameters,
         )
+        sliding_window = self.sliding_window
+        if (
+            sliding_window is None
+            and cache_config is not None
+            and cache_config.sliding_window
+        ):
+            # the source attends fully here: keep vLLM from applying the model-level window
+            cache_config = copy(cache_config)
+            cache_config.sliding_window = None
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -164,7 +174,7 @@ class Qwen3Attention(nn.Module):
             num_kv_heads=self.num_kv_heads,
             cache_config=cache_config,
             quant_config=quant_config,
-            per_layer_sliding_window=self.sliding_window,
+            per_layer_sliding_window=sliding_window,
             prefix=f"{prefix}.attn",
         )
 

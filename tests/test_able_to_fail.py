@@ -31,8 +31,8 @@ MUTATIONS = [
     (
         "qwen3",
         "sliding window dropped",
-        "per_layer_sliding_window=self.sliding_window,",
-        "",
+        "sliding_window = self.sliding_window\n",
+        "sliding_window = None\n",
     ),
     (
         "qwen3",
@@ -49,8 +49,8 @@ MUTATIONS = [
     (
         "mistral",
         "sliding window dropped",
-        'per_layer_sliding_window=getattr(self.config, "sliding_window", None),',
-        "",
+        'sliding_window = getattr(self.config, "sliding_window", None)',
+        "sliding_window = None",
     ),
     (
         "qwen2",

@@ -48,6 +48,14 @@ def test_kv_heads_replicated_when_fewer_than_ranks():
     assert out["tp"] == 2 and out["impl"] == "generated.qwen3:Qwen3ForCausalLM"
 
 
+def test_a_window_the_source_ignores_is_not_applied():
+    """llama's source never slides; with `sliding_window` in its config, vLLM's Attention
+    would fall back to that model-level window unless the generated file switches it off.
+    """
+    rc, out = verify_json("llama", "--override", "sliding_window=8")
+    assert rc == 0 and out["ok"], out
+
+
 def test_verify_all_prints_a_table_and_every_model_passes():
     result = run_cli("codemods.verify", "--all")
     assert result.returncode == 0, result.stderr[-2000:]

@@ -10,6 +10,7 @@ from . import attention, copied, mlp, model
 # (module, names): only the names the emitted classes use are imported.
 IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collections.abc", ("Iterable",)),
+    ("copy", ("copy",)),
     ("transformers.activations", ("ACT2FN",)),
     ("itertools", ("islice",)),
     ("torch", ("nn",)),

@@ -50,6 +50,21 @@ def _qkv_block(spec: QKVSpec) -> list[str]:
     ]
 
 
+def _window_lines(spec: QKVSpec) -> list[str]:
+    """The window this layer slides over, exactly as the source passes it to its attention
+    call (None when it passes none). vLLM's `Attention` falls back to the model-level window
+    (`cache_config.sliding_window`) when given None, which would slide a layer the source
+    does not; so where the source says None, that fallback is switched off."""
+    window = spec.call_kwargs.get("sliding_window")
+    return [
+        f"sliding_window = {code(window) if window is not None else 'None'}",
+        "if sliding_window is None and cache_config is not None and cache_config.sliding_window:",
+        "    # the source attends fully here: keep vLLM from applying the model-level window",
+        "    cache_config = copy(cache_config)",
+        "    cache_config.sliding_window = None",
+    ]
+
+
 def _attention_args(spec: QKVSpec) -> list[str]:
     args = ["self.num_heads", f"self.{spec.head_dim_attr}"]
     kwargs = {}
@@ -71,8 +86,9 @@ def _attention_args(spec: QKVSpec) -> list[str]:
         "cache_config=cache_config",
         "quant_config=quant_config",
     ]
+    kwargs.pop("per_layer_sliding_window", None)  # passed explicitly, see _window_lines
     args += [f"{k}={v}" for k, v in kwargs.items()]
-    args.append('prefix=f"{prefix}.attn"')
+    args += ["per_layer_sliding_window=sliding_window", 'prefix=f"{prefix}.attn"']
     return args
 
 
@@ -99,6 +115,7 @@ def emit(info: ClassInfo, spec: QKVSpec, norms: dict[str, NormSpec], neox: bool)
     body += [
         f"self.rotary_emb = get_rope({hd}, max_position=config.max_position_embeddings, "
         f"is_neox_style={neox}, rope_parameters=config.rope_parameters)",
+        *_window_lines(spec),
         f"self.attn = Attention({', '.join(_attention_args(spec))})",
     ]
 
