@@ -124,7 +124,7 @@ def regenerate(
         outcome.status = "stale"
         hint = (
             "edited by hand or stale"
-            if manifest_marker(old)
+            if has_generated_header(old)
             else "its generated header is damaged"
         )
         outcome.messages.append(
@@ -137,7 +137,7 @@ def regenerate(
     return outcome
 
 
-def manifest_marker(text: str) -> bool:
+def has_generated_header(text: str) -> bool:
     head = text[:2048]
     return "@generated" in head and "# source:" in head
 

@@ -208,5 +208,6 @@ def prove(spec: LayerSpec, layer) -> None:
             )
     finally:
         for name, module in saved.items():
-            object.__delattr__(layer, name) if name in layer.__dict__ else None
+            if name in layer.__dict__:
+                object.__delattr__(layer, name)
             layer._modules[name] = module

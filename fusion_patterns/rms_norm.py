@@ -183,6 +183,8 @@ def _vllm_norm(spec: NormSpec, size: int, eps: float):
 
 
 def prove(spec: NormSpec, module) -> None:
+    import copy
+
     import torch
 
     from .dataflow import require_close, trace
@@ -212,11 +214,7 @@ def prove(spec: NormSpec, module) -> None:
             require_close(residual, x + r, "fused residual add")
             require_close(out, module(x + r), "fused residual add + norm")
             # bf16: the same casts in the same places give the same bits
-            module_bf16 = type(module).__new__(type(module))
-            module_bf16.__dict__.update(module.__dict__)
-            module_bf16._parameters = {
-                k: v.to(torch.bfloat16) for k, v in module._parameters.items()
-            }
+            module_bf16 = copy.deepcopy(module).to(torch.bfloat16)
             ours.to(torch.bfloat16)
             xb = x.to(torch.bfloat16)
             require_close(

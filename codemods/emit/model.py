@@ -122,7 +122,6 @@ class _SublayerCalls(cst.CSTTransformer):
             other_params,
             owner,
         )
-        self.in_call = 0
 
     def leave_Assign(self, original: cst.Assign, updated: cst.Assign) -> cst.Assign:
         value = updated.value
