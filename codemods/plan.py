@@ -32,7 +32,11 @@ class ModelPlan:
         if s.mlp is not None:
             out += glu.records(s.mlp, s.mlp_attr)
         if s.layer_spec is not None:
-            out += residual_norm.records(s.layer_spec)
+            vllm_norms = {
+                attr: s.norms[cls].vllm_class
+                for attr, cls in s.norm_attrs(s.layer).items()
+            }
+            out += residual_norm.records(s.layer_spec, vllm_norms)
         return out
 
     @property
@@ -49,7 +53,11 @@ class ModelPlan:
         return [r for r in self.records if r.stacks_weights]
 
     def packed_modules_mapping(self) -> dict[str, list[str]]:
-        return {r.target: list(r.sources) for r in self.stacked()}
+        return {
+            r.target: list(r.sources)
+            for r in self.records
+            if r.stacks_weights or r.packed
+        }
 
     def stacked_params(self) -> list[tuple[str, str, ShardId]]:
         """(checkpoint substring, merged substring, shard id), scoped to the owning module
@@ -61,10 +69,20 @@ class ModelPlan:
             for source, shard in zip(r.sources, r.shard_ids)
         ]
 
+    def kept(self) -> list[str]:
+        """Arithmetic the source does outside the fusions, emitted as the source has it."""
+        s = self.structure
+        out = residual_norm.kept(s.layer_spec) if s.layer_spec else []
+        if s.embed_scale is not None:
+            out.append(s.embed_scale.describe())
+        return out + s.logits.describe()
+
     def report(self) -> list[str]:
-        return [r.describe() for r in self.records] + [
-            r.describe() for r in self.refusals
-        ]
+        return (
+            [r.describe() for r in self.records]
+            + [f"Kept: {line}" for line in self.kept()]
+            + [r.describe() for r in self.refusals]
+        )
 
 
 def plan(structure: ModelStructure) -> ModelPlan:

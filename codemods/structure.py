@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from fusion_patterns import glu, qkv, residual_norm, rms_norm
-from fusion_patterns.base import ClassInfo, Refusal, code, dotted_name
+from fusion_patterns import glu, model_scales, qkv, residual_norm, rms_norm
+from fusion_patterns.base import ClassInfo, PatternRefused, Refusal, dotted_name
 
 from .errors import CodemodError
 from .source import ModelSource
@@ -30,6 +30,13 @@ NEOX_ROTATE = m.Call(
         ),
         m.ZeroOrMore(),
     ],
+)
+
+# config.rope_parameters[layer_type]: one rope per kind of layer (Gemma 3); an index by a
+# name, not a string key such as ["rope_theta"]
+ROPE_BY_LAYER_TYPE = m.Subscript(
+    value=m.Attribute(attr=m.Name("rope_parameters")),
+    slice=[m.SubscriptElement(m.Index(m.Name()))],
 )
 
 
@@ -58,9 +65,18 @@ class ModelStructure:
     head_attr: str
     num_layers: cst.BaseExpression
     neox_rotary: bool
+    rope_by_layer_type: bool
+    embed_scale: model_scales.EmbeddingScale | None
+    logits: model_scales.LogitsSpec
     refusals: list[Refusal] = field(default_factory=list)
     # (column-parallel, row-parallel) projections of an unfused MLP, set by validation
     mlp_sharding: tuple[list[str], list[str]] | None = None
+
+    def rope_parameters(self, config, layer_idx: int) -> dict:
+        """The rope parameters of layer `layer_idx`, as the source reads them."""
+        if self.rope_by_layer_type:
+            return config.rope_parameters[config.layer_types[layer_idx]]
+        return config.rope_parameters
 
     def norm_attrs(
         self, owner: ClassInfo, *, proven_only: bool = True
@@ -195,7 +211,7 @@ def analyse(source: ModelSource) -> ModelStructure:
             embeds = [
                 a
                 for a in info.attrs
-                if info.constructed_class(a) in ("nn.Embedding", "torch.nn.Embedding")
+                if model_scales.is_embedding(info.constructed_class(a), classes)
             ]
             if count is not None and embeds:
                 bases.append((info, attr, count, embeds[0]))
@@ -218,7 +234,9 @@ def analyse(source: ModelSource) -> ModelStructure:
             causals.append((info, model_attrs[0], heads[0]))
     causal, model_attr, head_attr = _one("...ForCausalLM class", causals, source)
 
-    layer_spec = residual_norm.match(layer, set(_builders(layer, set(norms))))
+    layer_spec = residual_norm.match(
+        layer, set(_builders(layer, set(norms))), set(_builders(layer, norm_like))
+    )
     if isinstance(layer_spec, Refusal):
         refusals.append(layer_spec)
         layer_spec = None
@@ -227,7 +245,12 @@ def analyse(source: ModelSource) -> ModelStructure:
             f"cannot generate: {layer.name} blocks do not call {attn_attr} and {mlp_attr}"
         )
 
-    _refuse_unhandled_math(base, causal, source)
+    try:
+        embed_scale = model_scales.embedding_scale(base, embed_attr, classes)
+        logits = model_scales.logits_spec(causal, head_attr)
+    except PatternRefused as why:
+        # a model without this arithmetic would load and run and be wrong
+        raise CodemodError(f"cannot generate: {why}, not emitted yet") from None
 
     return ModelStructure(
         source=source,
@@ -249,29 +272,8 @@ def analyse(source: ModelSource) -> ModelStructure:
         head_attr=head_attr,
         num_layers=num_layers,
         neox_rotary=bool(m.findall(source.module, NEOX_ROTATE)),
+        rope_by_layer_type=bool(m.findall(source.module, ROPE_BY_LAYER_TYPE)),
+        embed_scale=embed_scale,
+        logits=logits,
         refusals=refusals,
     )
-
-
-def _refuse_unhandled_math(
-    base: ClassInfo, causal: ClassInfo, source: ModelSource
-) -> None:
-    """Fail loudly on arithmetic around the embeddings or logits that is not emitted yet
-    (an embedding normaliser, a logits multiplier or soft-cap): a model without it would
-    load and run and be wrong."""
-    for info, what in ((base, "embeddings or final hidden states"), (causal, "logits")):
-        if info.forward is None:
-            continue
-        for op in m.findall(
-            info.forward, m.BinaryOperation(operator=m.Multiply() | m.Divide())
-        ):
-            raise CodemodError(
-                f"cannot generate: {info.name}.forward scales the {what} (`{code(op)}`), not emitted yet"
-            )
-        for call in m.findall(
-            info.forward,
-            m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("tanh"))),
-        ):
-            raise CodemodError(
-                f"cannot generate: {info.name}.forward soft-caps the {what}, not emitted yet"
-            )

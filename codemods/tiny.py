@@ -104,6 +104,9 @@ def tiny_values(config_cls, overrides: dict | None = None) -> dict:
     values.update(feature_values(config_cls))
     if "layer_types" in values:
         values["num_hidden_layers"] = len(values["layer_types"])
+    ids = {k: fields.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    _clamp_token_ids(ids, VOCAB)  # default ids of a full vocabulary (Phi-3's pad 32000)
+    values.update({k: v for k, v in ids.items() if v != fields.get(k)})
     values.update(overrides or {})
     return values
 

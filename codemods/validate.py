@@ -81,10 +81,22 @@ def _validate(structure: ModelStructure, trust_remote_code: bool) -> None:
             del s.norms[name]
             s.refuse(Refusal(rms_norm.NAME, name, name, str(why)))
 
-    attention = instances[s.attention.class_name]
-    call = _capture_call(model, attention, config.vocab_size)
+    # every layer: layers may differ in rope, window or norms by their layer type
+    attentions = [
+        mod for mod in model.modules() if type(mod).__name__ == s.attention.class_name
+    ]
     try:
-        qkv.prove(s.attention, attention, call, config, s.neox_rotary, set(s.norms))
+        for layer_idx, attention in enumerate(attentions):
+            call = _capture_call(model, attention, config.vocab_size)
+            qkv.prove(
+                s.attention,
+                attention,
+                call,
+                config,
+                s.rope_parameters(config, layer_idx),
+                s.neox_rotary,
+                set(s.norms),
+            )
     except PatternRefused as why:
         s.refuse(
             Refusal(qkv.NAME, s.attention.class_name, "q/k/v projections", str(why))

@@ -1,6 +1,13 @@
 """`down(act(gate(x)) * up(x))` -> `MergedColumnParallelLinear` + a fused `...AndMul`.
 
-Matched on the MLP class's forward in either operand order of the product. The shard
+Matched on the MLP class's forward in either operand order of the product; or, for a
+checkpoint that packs [gate; up] in one projection (Phi-3), the statements
+
+    y = self.<packed>(x)
+    gate, up = y.chunk(2, dim=-1)
+    y = up * self.<act>(gate)       # either operand order
+    return self.<down>(y)
+ The shard
 order follows the activation: the projection under `act` is shard 0, because vLLM's
 `...AndMul` applies the activation to the first half. The activation is whatever
 `ACT2FN[<expr>]` the source reads, resolved at model build time by vLLM's
@@ -59,6 +66,9 @@ class GLUSpec:
     gate_args: tuple[cst.BaseExpression, cst.BaseExpression, cst.BaseExpression]
     up_args: tuple[cst.BaseExpression, cst.BaseExpression, cst.BaseExpression]
     down_args: tuple[cst.BaseExpression, cst.BaseExpression, cst.BaseExpression]
+    # gate and up are the two halves of one projection in the checkpoint (`gate` and
+    # `up` both name it); its weight loader splits it
+    packed: bool = False
 
 
 def match(info: ClassInfo) -> GLUSpec | Refusal | None:
@@ -66,7 +76,10 @@ def match(info: ClassInfo) -> GLUSpec | Refusal | None:
         return None
     found = m.extractall(info.forward, GLU_CALL)
     if not found:
-        return None
+        try:
+            return _packed(info)
+        except PatternRefused as why:
+            return Refusal(NAME, info.name, "packed gate/up projection", str(why))
     try:
         return _extract(info, found[0])
     except PatternRefused as why:
@@ -105,16 +118,128 @@ def _extract(info: ClassInfo, cap: dict) -> GLUSpec:
     )
 
 
+def _packed(info: ClassInfo) -> GLUSpec | None:
+    body = [s for s in info.forward.body.body if isinstance(s, cst.SimpleStatementLine)]
+    chunk = m.Call(
+        func=m.Attribute(value=m.Name(), attr=m.Name("chunk")),
+        args=[
+            m.Arg(m.Integer("2")),
+            m.Arg(
+                m.UnaryOperation(operator=m.Minus(), expression=m.Integer("1")),
+                keyword=m.Name("dim"),
+            ),
+        ],
+    )
+    split = [
+        s
+        for s in body
+        if m.matches(
+            s,
+            m.SimpleStatementLine(
+                [m.Assign([m.AssignTarget(m.Tuple([m.Element(), m.Element()]))], chunk)]
+            ),
+        )
+    ]
+    if not split:
+        return None
+    if len(body) != 4 or body[1] is not split[0]:
+        raise PatternRefused("forward is not projection, chunk, product, down")
+    first, _, product, ret = body
+    gate_name, up_name = (
+        e.value.value for e in split[0].body[0].targets[0].target.elements
+    )
+    packed_var = split[0].body[0].value.func.value.value
+    got = m.extract(
+        first,
+        m.SimpleStatementLine(
+            [
+                m.Assign(
+                    [m.AssignTarget(m.Name(packed_var))],
+                    self_call(m.SaveMatchedNode(m.Name(), "packed"), m.Name()),
+                )
+            ]
+        ),
+    )
+    if got is None:
+        raise PatternRefused(f"`{packed_var}` is not one projection of the input")
+    gated = self_call(m.SaveMatchedNode(m.Name(), "act"), m.Name(gate_name))
+    prod = m.extract(
+        product,
+        m.SimpleStatementLine(
+            [
+                m.Assign(
+                    [m.AssignTarget(m.SaveMatchedNode(m.Name(), "y"))],
+                    m.BinaryOperation(
+                        left=m.Name(up_name), operator=m.Multiply(), right=gated
+                    )
+                    | m.BinaryOperation(
+                        left=gated, operator=m.Multiply(), right=m.Name(up_name)
+                    ),
+                )
+            ]
+        ),
+    )
+    if prod is None:
+        raise PatternRefused(
+            f"`{code(product).strip()}` is not the up half times the activated first half"
+        )
+    down = m.extract(
+        ret,
+        m.SimpleStatementLine(
+            [
+                m.Return(
+                    self_call(
+                        m.SaveMatchedNode(m.Name(), "down"), m.Name(prod["y"].value)
+                    )
+                )
+            ]
+        ),
+    )
+    if down is None:
+        raise PatternRefused("forward does not return down(product)")
+    packed, act, down = got["packed"].value, prod["act"].value, down["down"].value
+    for attr in (packed, down):
+        if not is_linear(info, attr):
+            raise PatternRefused(f"self.{attr} is not an nn.Linear")
+    lookup = info.attrs.get(act)
+    if not m.matches(lookup, ACT2FN_LOOKUP):
+        raise PatternRefused(f"self.{act} is not an ACT2FN[...] activation")
+    in_size, out_size, bias = linear_args(info.attrs[packed])
+    # 2 * <intermediate size>: each half is one shard
+    if not m.matches(
+        out_size, m.BinaryOperation(left=m.Integer("2"), operator=m.Multiply())
+    ):
+        raise PatternRefused(
+            f"packed output size `{code(out_size)}` is not `2 * <size>`"
+        )
+    half = (in_size, out_size.right, bias)
+    return GLUSpec(
+        class_name=info.name,
+        gate=packed,
+        up=packed,
+        down=down,
+        act_attr=act,
+        act_name=lookup.slice[0].slice.value,
+        merged=packed,
+        gate_args=half,
+        up_args=half,
+        down_args=linear_args(info.attrs[down]),
+        packed=True,
+    )
+
+
 def records(spec: GLUSpec, scope: str) -> list[FusionRecord]:
+    # a packed checkpoint tensor stacks nothing: the weight loader splits it
     return [
         FusionRecord(
             NAME,
             spec.class_name,
-            (spec.gate, spec.up),
+            (spec.merged,) if spec.packed else (spec.gate, spec.up),
             spec.merged,
             VLLM_CLASS,
-            (0, 1),
+            () if spec.packed else (0, 1),
             scope,
+            packed=spec.packed,
         )
     ]
 
@@ -138,11 +263,13 @@ def activation_name(spec: GLUSpec, module, config) -> str:
 
 def prove(spec: GLUSpec, module, config) -> None:
     import torch
-    import torch.nn.functional as F
 
-    from .dataflow import require_close, single_call, trace
+    from .dataflow import single_call, trace
 
     graph = trace(module)
+    if spec.packed:
+        _prove_packed(spec, module, config, graph)
+        return
     gate, up, down, act = (
         single_call(graph, n) for n in (spec.gate, spec.up, spec.down, spec.act_attr)
     )
@@ -161,7 +288,35 @@ def prove(spec: GLUSpec, module, config) -> None:
             "the product of act(gate) and up is not all that feeds down"
         )
 
+    g, u = (getattr(module, n) for n in (spec.gate, spec.up))
+    weight = torch.cat([g.weight, u.weight])
+    bias = torch.cat([g.bias, u.bias]) if g.bias is not None else None
+    _prove_numbers(spec, module, config, weight, bias)
+
+
+def _prove_packed(spec: GLUSpec, module, config, graph) -> None:
+    """Dataflow: the packed projection reads the input and down makes the output, each
+    called once; the halves' roles are left to the numbers."""
+    from .dataflow import single_call
+
+    packed, down = single_call(graph, spec.gate), single_call(graph, spec.down)
+    placeholder = next(n for n in graph.nodes if n.op == "placeholder")
+    output = next(n for n in graph.nodes if n.op == "output")
+    if packed.args[0] is not placeholder or output.all_input_nodes != [down]:
+        raise PatternRefused(
+            "the packed projection does not read the input, or down does not make the output"
+        )
+    p = getattr(module, spec.gate)
+    _prove_numbers(spec, module, config, p.weight, p.bias)
+
+
+def _prove_numbers(spec: GLUSpec, module, config, weight, bias) -> None:
+    import torch
+    import torch.nn.functional as F
+
     from vllm.model_executor.layers.activation import get_act_and_mul_fn
+
+    from .dataflow import require_close
 
     name = activation_name(spec, module, config)
     try:
@@ -170,11 +325,11 @@ def prove(spec: GLUSpec, module, config) -> None:
         raise PatternRefused(
             f"vLLM has no fused ...AndMul for activation {name!r}"
         ) from None
-    g, u, d = (getattr(module, n) for n in (spec.gate, spec.up, spec.down))
+    d = getattr(module, spec.down)
     with torch.no_grad():
-        x = torch.randn(2, 5, g.in_features, generator=torch.Generator().manual_seed(0))
-        weight = torch.cat([g.weight, u.weight])
-        bias = torch.cat([g.bias, u.bias]) if g.bias is not None else None
+        x = torch.randn(
+            2, 5, weight.shape[1], generator=torch.Generator().manual_seed(0)
+        )
         merged = F.linear(x, weight, bias)
         require_close(
             d(act_and_mul.forward_native(merged)),

@@ -68,6 +68,9 @@ class QKVSpec:
     k_norm: HeadNorm | None
     # keyword arguments of the attention call, as written in the source
     call_kwargs: dict[str, cst.BaseExpression]
+    # one projection already packed [q; k; v] in the checkpoint, sliced in forward
+    # (Phi-3): `projections` names it three times, its weight loader splits it
+    packed: bool = False
 
 
 def merged_name(projections: tuple[str, ...], sep: str = "") -> str:
@@ -78,25 +81,55 @@ def merged_name(projections: tuple[str, ...], sep: str = "") -> str:
 
 
 def _assignment_of(forward: cst.FunctionDef, name: str) -> cst.BaseExpression:
-    """The value of the last `name = ...` (single target) before the attention call."""
+    """The expression `name` holds at the attention call: its single-target assignments
+    in order, each later one that reads `name` composed with the one before
+    (`q = self.q_proj(x).view(s)`, `q = self.q_norm(q)` -> `self.q_norm(self.q_proj(x).view(s))`).
+    Tuple assignments (the rotary call) are left to the proof."""
     found = m.findall(
         forward,
         m.Assign(targets=[m.AssignTarget(target=m.Name(name))]),
     )
     if not found:
         raise PatternRefused(f"{name} is not assigned in forward")
-    return found[0].value
+    value = found[0].value
+    for later in found[1:]:
+        if not m.findall(later.value, m.Name(name)):
+            raise PatternRefused(f"{name} is assigned twice")
+        value = later.value.visit(_Substitute(name, value))
+    return value
+
+
+class _Substitute(cst.CSTTransformer):
+    def __init__(self, name: str, value: cst.BaseExpression):
+        self.name, self.value = name, value
+
+    def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.BaseExpression:
+        return self.value if original.value == self.name else updated
 
 
 def _unwrap(
     value: cst.BaseExpression, info: ClassInfo, norms: dict[str, NormSpec | None]
 ):
-    """Peel layout methods and a head norm off one q/k/v expression.
+    """Peel layout methods, a head norm and a slice of a packed projection off one
+    q/k/v expression.
 
-    Returns (projection attr, input name, norm attr or None, norm applied per head)."""
+    Returns (projection attr, input name, norm attr or None, norm applied per head,
+    sliced out of a packed projection)."""
     norm_attr, per_head = None, False
     node = value
     while True:
+        if m.matches(node, m.Subscript(value=m.Name())):
+            # `qkv[..., a:b]` with `qkv = self.<packed>(x)`: the slice bounds are left
+            # to the proof, which checks the [q; k; v] layout numerically
+            packed = _assignment_of(info.forward, node.value.value)
+            if not m.matches(
+                packed, m.Call(func=self_attr(), args=[m.Arg(m.Name())])
+            ) or not is_linear(info, packed.func.attr.value):
+                raise PatternRefused(
+                    f"`{code(node)}` does not slice one projection's output"
+                )
+            attr = packed.func.attr.value
+            return attr, packed.args[0].value.value, norm_attr, per_head, True
         if m.matches(node, m.Call(func=m.Attribute(attr=m.Name()))) and not m.matches(
             node.func, self_attr()
         ):
@@ -113,12 +146,18 @@ def _unwrap(
             if is_linear(info, attr):
                 if not isinstance(arg, cst.Name):
                     raise PatternRefused(f"self.{attr} is not applied to a plain name")
-                return attr, arg.value, norm_attr, per_head
+                return attr, arg.value, norm_attr, per_head, False
             if norm_attr is None and info.constructed_class(attr) in norms:
                 norm_attr = attr
-                per_head = m.matches(
-                    arg,
-                    m.Call(func=m.Attribute(attr=m.Name("view") | m.Name("reshape"))),
+                # per head: the norm reads the projection split into heads (the
+                # proof checks the numbers against a per-head norm)
+                per_head = bool(
+                    m.findall(
+                        arg,
+                        m.Call(
+                            func=m.Attribute(attr=m.Name("view") | m.Name("reshape"))
+                        ),
+                    )
                 )
                 node = arg
                 continue
@@ -151,7 +190,13 @@ def _extract(
             _unwrap(_assignment_of(info.forward, roles[role].value), info, norms)
         )
     projections = tuple(u[0] for u in unwrapped)
-    if len(set(projections)) != 3:
+    sliced = {u[4] for u in unwrapped}
+    packed = sliced == {True}
+    if packed and len(set(projections)) != 1:
+        raise PatternRefused(
+            "query, key and value are sliced from different projections"
+        )
+    if not packed and len(set(projections)) != 3:
         raise PatternRefused(
             "query, key and value do not come from three distinct projections"
         )
@@ -174,7 +219,8 @@ def _extract(
         )
 
     heads, head_dims = [], set()
-    for out in (a[1] for a in args):
+    outs = _packed_sizes(info, args[0][1]) if packed else [a[1] for a in args]
+    for out in outs:
         if not m.matches(
             out, m.BinaryOperation(operator=m.Multiply(), right=self_attr())
         ):
@@ -187,7 +233,7 @@ def _extract(
         raise PatternRefused("key and value do not share one head layout")
 
     head_norms = []
-    for (_, _, norm_attr, per_head), role in zip(unwrapped[:2], "qk"):
+    for (_, _, norm_attr, per_head, _), role in zip(unwrapped[:2], "qk"):
         if norm_attr is None:
             head_norms.append(None)
             continue
@@ -212,7 +258,7 @@ def _extract(
     return QKVSpec(
         class_name=info.name,
         projections=projections,
-        merged=merged_name(projections),
+        merged=projections[0] if packed else merged_name(projections),
         out_proj=outs[0],
         hidden_size=args[0][0],
         head_dim_attr=head_dims.pop(),
@@ -225,19 +271,47 @@ def _extract(
         call_kwargs={
             a.keyword.value: a.value for a in call.args if a.keyword is not None
         },
+        packed=packed,
     )
 
 
+# <heads> * self.<hd> + 2 * (<kv heads> * self.<hd>)
+_HEADS = m.BinaryOperation(operator=m.Multiply(), right=self_attr())
+PACKED_SIZE = m.BinaryOperation(
+    left=_HEADS,
+    operator=m.Add(),
+    right=m.BinaryOperation(left=m.Integer("2"), operator=m.Multiply(), right=_HEADS),
+)
+
+
+def _packed_sizes(info: ClassInfo, out: cst.BaseExpression) -> list:
+    """[q, k, v] output sizes of a packed projection, from its size expression (or the
+    local variable of `__init__` it names)."""
+    if isinstance(out, cst.Name) and info.init is not None:
+        found = m.findall(
+            info.init, m.Assign(targets=[m.AssignTarget(m.Name(out.value))])
+        )
+        if found:
+            out = found[-1].value
+    if not m.matches(out, PACKED_SIZE):
+        raise PatternRefused(
+            f"packed output size `{code(out)}` is not `<heads> * self.<head_dim> + 2 * (<kv heads> * self.<head_dim>)`"
+        )
+    return [out.left, out.right.right, out.right.right]
+
+
 def records(spec: QKVSpec, scope: str, proven_norms: set[str]) -> list[FusionRecord]:
+    # a packed checkpoint tensor stacks nothing: the weight loader splits it
     out = [
         FusionRecord(
             NAME,
             spec.class_name,
-            spec.projections,
+            (spec.merged,) if spec.packed else spec.projections,
             spec.merged,
             VLLM_CLASS,
-            ("q", "k", "v"),
+            () if spec.packed else ("q", "k", "v"),
             scope,
+            packed=spec.packed,
         )
     ]
     for norm in (spec.q_norm, spec.k_norm):
@@ -265,7 +339,13 @@ CAPTURE = "codemods_capture"
 
 
 def prove(
-    spec: QKVSpec, module, call_kwargs: dict, config, neox: bool, proven_norms: set[str]
+    spec: QKVSpec,
+    module,
+    call_kwargs: dict,
+    config,
+    rope_parameters: dict,
+    neox: bool,
+    proven_norms: set[str],
 ) -> None:
     from .dataflow import mutated_in_place, single_call, trace, upstream_linears
 
@@ -294,11 +374,19 @@ def prove(
         raise PatternRefused(
             f"{spec.out_proj} reads something besides the attention output"
         )
-    _prove_numbers(spec, module, call_kwargs, config, neox, proven_norms)
+    _prove_numbers(
+        spec, module, call_kwargs, config, rope_parameters, neox, proven_norms
+    )
 
 
 def _prove_numbers(
-    spec: QKVSpec, module, call_kwargs: dict, config, neox: bool, proven_norms: set[str]
+    spec: QKVSpec,
+    module,
+    call_kwargs: dict,
+    config,
+    rope_parameters: dict,
+    neox: bool,
+    proven_norms: set[str],
 ) -> None:
     import torch
     import torch.nn.functional as F
@@ -312,8 +400,17 @@ def _prove_numbers(
     hidden = call_kwargs["hidden_states"]
     tokens = hidden.shape[1]
     head_dim = getattr(module, spec.head_dim_attr)
-    projs = [getattr(module, p) for p in spec.projections]
-    heads = projs[0].out_features // head_dim
+    env = {"config": config, "self": module}
+    heads, kv_heads = (
+        eval(code(e), env) for e in (spec.num_heads, spec.num_kv_heads)  # noqa: S307
+    )
+    if spec.packed:
+        packed = getattr(module, spec.merged)
+        weight, bias = packed.weight, packed.bias
+    else:
+        projs = [getattr(module, p) for p in spec.projections]
+        weight = torch.cat([p.weight for p in projs])
+        bias = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
     given = torch.randn(
         1, tokens, heads, head_dim, generator=torch.Generator().manual_seed(1)
     )
@@ -336,10 +433,12 @@ def _prove_numbers(
 
     with torch.no_grad():
         x = hidden[0]
-        weight = torch.cat([p.weight for p in projs])
-        bias = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
+        if weight.shape[0] != (heads + 2 * kv_heads) * head_dim:
+            raise PatternRefused(
+                "the projections' sizes do not match their head counts"
+            )
         q, k, v = F.linear(x, weight, bias).split(
-            [p.out_features for p in projs], dim=-1
+            [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1
         )
         for norm, name in ((spec.q_norm, "q"), (spec.k_norm, "k")):
             if norm is None:
@@ -360,7 +459,7 @@ def _prove_numbers(
             head_dim,
             max_position=config.max_position_embeddings,
             is_neox_style=neox,
-            rope_parameters=config.rope_parameters,
+            rope_parameters=rope_parameters,
             dtype=torch.float32,
         )
         q, k = rope.forward_native(torch.arange(tokens), q, k)

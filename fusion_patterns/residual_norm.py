@@ -5,7 +5,10 @@ Matched on the decoder layer's forward, a sequence of blocks
     residual = h
     h = self.<norm>(h)
     h = self.<mixer>(h, ...)        # or `h, _ = ...`
-    h = residual + h                # either operand order
+    h = self.<post_norm>(h)         # zero or more (Gemma's sandwich norms)
+    h = residual + h                # either operand order; or `residual + h * <m>`
+                                    # with a multiplier read from `self` (Granite);
+                                    # `self.<dropout>(h)` counts as h (Phi-3)
 
 Each block's add is folded into the norm that follows it (the next block's, or the next
 layer's, or the model's final norm), as vLLM's native files do: the layer returns the
@@ -42,6 +45,9 @@ class Block:
     norm: str
     mixer: str
     unpacks: bool  # `h, _ = self.<mixer>(...)`: the mixer returns a tuple
+    # applied to the mixer output before the add, in order: norms, then the multiplier
+    post_norms: tuple[str, ...] = ()
+    multiplier: str | None = None  # source text, reads only `self`
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,11 @@ class LayerSpec:
     blocks: tuple[Block, ...]
 
 
-def match(info: ClassInfo, norm_attrs: set[str]) -> LayerSpec | Refusal | None:
+def match(
+    info: ClassInfo, norm_attrs: set[str], post_norm_attrs: set[str]
+) -> LayerSpec | Refusal | None:
+    """`norm_attrs`: proven RMSNorms (the pre-norms the adds fold into);
+    `post_norm_attrs`: every norm the layer builds (a post-norm is only called)."""
     if info.forward is None:
         return None
     body = [
@@ -58,28 +68,44 @@ def match(info: ClassInfo, norm_attrs: set[str]) -> LayerSpec | Refusal | None:
         for s in info.forward.body.body
         if not m.matches(s, m.SimpleStatementLine([m.Expr(m.SimpleString())]))
     ]
+    # identity at inference; the proof runs the layer in eval mode
+    dropouts = {
+        a
+        for a in info.attrs
+        if info.constructed_class(a) in ("nn.Dropout", "torch.nn.Dropout")
+    }
     try:
-        return LayerSpec(info.name, tuple(_blocks(body, norm_attrs)))
+        return LayerSpec(
+            info.name, tuple(_blocks(body, norm_attrs, post_norm_attrs, dropouts))
+        )
     except PatternRefused as why:
         return Refusal(NAME, info.name, "residual add + norm", str(why))
 
 
-def _blocks(body: list[cst.BaseStatement], norm_attrs: set[str]):
+def _blocks(
+    body: list[cst.BaseStatement],
+    norm_attrs: set[str],
+    post_norm_attrs: set[str],
+    dropouts: set[str],
+):
     if not body or not m.matches(body[-1], m.SimpleStatementLine([m.Return(m.Name())])):
         raise PatternRefused("forward does not end with `return <hidden states>`")
     h = body[-1].body[0].value.value
     stmts = body[:-1]
-    if len(stmts) % 4 or not stmts:
+    if not stmts:
         raise PatternRefused("forward is not a sequence of pre-norm residual blocks")
-    for i in range(0, len(stmts), 4):
-        save, norm, mix, add = stmts[i : i + 4]
+    i = 0
+    while i < len(stmts):
+        if len(stmts) - i < 4:
+            raise PatternRefused(
+                "forward is not a sequence of pre-norm residual blocks"
+            )
+        save, norm, mix = stmts[i : i + 3]
+        i += 3
         if not m.matches(save, _assign(m.Name(), m.Name(h))):
             raise PatternRefused(f"`{_line(save)}` does not save the residual stream")
         r = save.body[0].targets[0].target.value
-        norm_call = m.Call(
-            func=self_attr(m.SaveMatchedNode(m.Name(), "n")), args=[_stream_arg(h)]
-        )
-        if not m.matches(norm, _assign(m.Name(h), norm_call)):
+        if not m.matches(norm, _assign(m.Name(h), _norm_call(h))):
             raise PatternRefused(f"`{_line(norm)}` is not a norm of the saved stream")
         norm_attr = norm.body[0].value.func.attr.value
         if norm_attr not in norm_attrs:
@@ -98,32 +124,99 @@ def _blocks(body: list[cst.BaseStatement], norm_attrs: set[str]):
             raise PatternRefused(
                 f"`{_line(mix)}` is not a sublayer applied to the normed stream"
             )
-        added = m.BinaryOperation(
-            left=m.Name(r), operator=m.Add(), right=m.Name(h)
-        ) | m.BinaryOperation(left=m.Name(h), operator=m.Add(), right=m.Name(r))
-        if not m.matches(add, _assign(m.Name(h), added)):
-            raise PatternRefused(f"`{_line(add)}` is not the plain residual add")
+        post = []
+        while i < len(stmts) and m.matches(stmts[i], _assign(m.Name(h), _norm_call(h))):
+            attr = stmts[i].body[0].value.func.attr.value
+            if attr not in post_norm_attrs:
+                raise PatternRefused(f"`{_line(stmts[i])}` is not a norm")
+            post.append(attr)
+            i += 1
+        if i >= len(stmts):
+            raise PatternRefused("a block ends without its residual add")
+        add = stmts[i]
+        i += 1
+        multiplier = _residual_add(add, r, h, dropouts)
         target = mix.body[0].targets[0].target
         yield Block(
-            norm_attr, mix.body[0].value.func.attr.value, isinstance(target, cst.Tuple)
+            norm_attr,
+            mix.body[0].value.func.attr.value,
+            isinstance(target, cst.Tuple),
+            tuple(post),
+            multiplier,
         )
+
+
+def _norm_call(h: str) -> m.Call:
+    return m.Call(func=self_attr(), args=[_stream_arg(h)])
+
+
+def _residual_add(
+    add: cst.BaseStatement, r: str, h: str, dropouts: set[str]
+) -> str | None:
+    """The multiplier of `h = r + h [* <m>]` (either operand order), None for a plain
+    add; refuses anything else. The multiplier may read only `self` (an attribute the
+    generated `__init__` computes the same way)."""
+    out = m.Name(h)
+    if dropouts:
+        out |= m.Call(
+            func=self_attr(m.Name(m.MatchIfTrue(lambda name: name in dropouts))),
+            args=[m.Arg(m.Name(h))],
+        )
+    scaled = m.BinaryOperation(left=out, operator=m.Multiply()) | (
+        m.BinaryOperation(right=out, operator=m.Multiply())
+    )
+    stream = out | scaled
+    added = m.BinaryOperation(
+        left=m.Name(r), operator=m.Add(), right=stream
+    ) | m.BinaryOperation(left=stream, operator=m.Add(), right=m.Name(r))
+    if not m.matches(add, _assign(m.Name(h), added)):
+        raise PatternRefused(f"`{_line(add)}` is not the residual add")
+    value = add.body[0].value
+    other = value.right if m.matches(value.left, m.Name(r)) else value.left
+    if m.matches(other, out):
+        return None
+    factor = other.right if m.matches(other.left, out) else other.left
+    names = {n.value for n in m.findall(factor, m.Name())} - {
+        a.attr.value for a in m.findall(factor, m.Attribute())
+    }
+    if names - {"self"} or m.findall(factor, m.Call()):
+        raise PatternRefused(
+            f"the residual multiplier `{code(factor)}` reads more than `self`"
+        )
+    return code(factor)
 
 
 def _line(stmt: cst.BaseStatement) -> str:
     return code(stmt).strip().splitlines()[0]
 
 
-def records(spec: LayerSpec) -> list[FusionRecord]:
+def records(spec: LayerSpec, vllm_norms: dict[str, str]) -> list[FusionRecord]:
+    """`vllm_norms`: {norm attr: vLLM norm class} of the layer."""
     return [
         FusionRecord(
             NAME,
             spec.class_name,
             ("residual add", block.norm),
             block.norm,
-            "RMSNorm(x, residual)",
+            f"{vllm_norms[block.norm]}(x, residual)",
         )
         for block in spec.blocks
     ]
+
+
+def kept(spec: LayerSpec) -> list[str]:
+    """What each block computes between its mixer and the add, emitted as is."""
+    out = []
+    for block in spec.blocks:
+        for post in block.post_norms:
+            out.append(
+                f"self.{post} on self.{block.mixer}'s output, before the residual add ({spec.class_name})"
+            )
+        if block.multiplier is not None:
+            out.append(
+                f"self.{block.mixer}'s output scaled by `{block.multiplier}` before the residual add ({spec.class_name})"
+            )
+    return out
 
 
 # --- proof -------------------------------------------------------------------------
@@ -201,6 +294,10 @@ def prove(spec: LayerSpec, layer) -> None:
                     h = norm(residual)
                 out = getattr(layer, block.mixer)(h)
                 h = out[0] if isinstance(out, tuple) else out
+                for post in block.post_norms:
+                    h = getattr(layer, post)(h)
+                if block.multiplier is not None:
+                    h = h * eval(block.multiplier, {"self": layer})
             require_close(
                 h + residual,
                 theirs,

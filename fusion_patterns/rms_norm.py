@@ -1,6 +1,7 @@
 """RMSNorm classes -> vLLM `RMSNorm` (or `GemmaRMSNorm` for the `1 + w` form).
 
-Matched on the norm class's forward: mean of squares over the last dim, eps added inside
+Matched on the norm class's methods (the forward and helpers it calls, such as Gemma's
+`_norm`; the proof runs the real forward): mean of squares over the last dim, eps added inside
 `rsqrt`, a multiply by `self.weight` (or `1 + self.weight`) after casting back. The eps
 and weight-size arguments are read from the class's own `__init__` signature, so every
 construction site of the class can be translated argument by argument.
@@ -98,7 +99,7 @@ def match(info: ClassInfo) -> NormSpec | Refusal | None:
     """A NormSpec when the class computes RMSNorm, a Refusal on a near miss, else None."""
     if info.forward is None or info.init is None:
         return None
-    if not _found(info.forward, MEAN_OF_SQUARES):
+    if not _found(info.node, MEAN_OF_SQUARES):
         return None  # not a norm at all: nothing to report
     try:
         return _extract(info)
@@ -107,14 +108,14 @@ def match(info: ClassInfo) -> NormSpec | Refusal | None:
 
 
 def _extract(info: ClassInfo) -> NormSpec:
-    rsqrt = m.extractall(info.forward, RSQRT_EPS)
+    rsqrt = m.extractall(info.node, RSQRT_EPS)
     if not rsqrt:
         raise PatternRefused(
             "eps is not added inside the root (expected torch.rsqrt(variance + eps))"
         )
     eps_attr = rsqrt[0]["eps"].attr.value
-    unit_offset = bool(_found(info.forward, UNIT_OFFSET_WEIGHT))
-    if not unit_offset and not _found(info.forward, WEIGHT_AFTER_CAST):
+    unit_offset = bool(_found(info.node, UNIT_OFFSET_WEIGHT))
+    if not unit_offset and not _found(info.node, WEIGHT_AFTER_CAST):
         raise PatternRefused(
             "the weight is not applied as a multiply after the cast back"
         )

@@ -84,7 +84,9 @@ def emit_body(plan: ModelPlan) -> str:
     classes = [
         *copied.emit(s),
         mlp_class,
-        attention.emit(attn_info, s.attention, s.norms, s.neox_rotary),
+        attention.emit(
+            attn_info, s.attention, s.norms, s.neox_rotary, s.rope_by_layer_type
+        ),
         model.emit_layer(plan),
         model.emit_model(plan),
         model.emit_causal_lm(plan),

@@ -30,8 +30,13 @@ IGNORED_KWARGS = {"dropout"}
 def _qkv_block(spec: QKVSpec) -> list[str]:
     hd = f"self.{spec.head_dim_attr}"
     q, k, v = spec.projections
+    fused = (
+        f"# {spec.merged}: packed [q; k; v] in the checkpoint, split by the weight loader."
+        if spec.packed
+        else f"# Fused: {q} + {k} + {v} -> {spec.merged}."
+    )
     return [
-        f"# Fused: {q} + {k} + {v} -> {spec.merged}. Each rank holds its own heads of q, k",
+        f"{fused} Each rank holds its own heads of q, k",
         "# and v; with fewer kv heads than ranks, k and v are replicated.",
         "tp_size = get_tensor_model_parallel_world_size()",
         f"self.total_num_heads = {code(spec.num_heads)}",
@@ -92,7 +97,13 @@ def _attention_args(spec: QKVSpec) -> list[str]:
     return args
 
 
-def emit(info: ClassInfo, spec: QKVSpec, norms: dict[str, NormSpec], neox: bool) -> str:
+def emit(
+    info: ClassInfo,
+    spec: QKVSpec,
+    norms: dict[str, NormSpec],
+    neox: bool,
+    rope_by_layer_type: bool,
+) -> str:
     q, k, v = spec.projections
 
     def translate(attr: str, value: cst.BaseExpression) -> list[str] | None:
@@ -112,9 +123,17 @@ def emit(info: ClassInfo, spec: QKVSpec, norms: dict[str, NormSpec], neox: bool)
 
     body = translate_init(info, translate)
     hd = f"self.{spec.head_dim_attr}"
+    rope = "config.rope_parameters"
+    if rope_by_layer_type:
+        params = [p.name.value for p in info.init.params.params]
+        if "layer_idx" not in params:
+            raise CodemodError(
+                f"cannot generate: rope differs by layer type but {info.name}.__init__ takes no layer_idx"
+            )
+        rope = "config.rope_parameters[config.layer_types[layer_idx]]"
     body += [
         f"self.rotary_emb = get_rope({hd}, max_position=config.max_position_embeddings, "
-        f"is_neox_style={neox}, rope_parameters=config.rope_parameters)",
+        f"is_neox_style={neox}, rope_parameters={rope})",
         *_window_lines(spec),
         f"self.attn = Attention({', '.join(_attention_args(spec))})",
     ]

@@ -68,6 +68,9 @@ def emit_layer(plan: ModelPlan) -> str:
             )
         else:
             fwd.append(f"hidden_states = self.{block.mixer}(hidden_states)")
+        fwd += [f"hidden_states = self.{p}(hidden_states)" for p in block.post_norms]
+        if block.multiplier is not None:
+            fwd.append(f"hidden_states = hidden_states * {block.multiplier}")
     fwd.append("return hidden_states, residual")
     return f"""
 class {layer.name}(nn.Module):
@@ -194,6 +197,25 @@ def emit_model(plan: ModelPlan) -> str:
         send = '{"hidden_states": hidden_states}'
         finish = "hidden_states = self.{n}(hidden_states)"
     finish = finish.format(n=s.final_norm_attr)
+    scale = s.embed_scale
+    scale_init = "".join(
+        f"\n        {line}" for line in (scale.init_lines if scale else ())
+    )
+    embed = f"self.{s.embed_attr}(input_ids)"
+    if scale and scale.in_embedding:
+        factor = (
+            f"torch.tensor({scale.factor}, dtype=embeds.dtype)"
+            if scale.cast
+            else scale.factor
+        )
+        embed_body = f"embeds = {embed}\n        return embeds * {factor}"
+    else:
+        embed_body = f"return {embed}"
+    forward_scale = (
+        f"\n            hidden_states = hidden_states * {scale.factor}"
+        if scale and not scale.in_embedding
+        else ""
+    )
     tied = plan.tied_embeddings
     first_rank = (
         "get_pp_group().is_first_rank or (config.tie_word_embeddings and get_pp_group().is_last_rank)"
@@ -218,7 +240,7 @@ class {base.name}(nn.Module):
         config = vllm_config.model_config.hf_config
         cache_config = vllm_config.cache_config
         quant_config = vllm_config.quant_config
-        self.config = config
+        self.config = config{scale_init}
         if {first_rank}:
             self.{s.embed_attr} = VocabParallelEmbedding(
                 {code(vocab)}, {code(hidden)}, quant_config=quant_config, prefix=f"{{prefix}}.{s.embed_attr}"
@@ -241,7 +263,7 @@ class {base.name}(nn.Module):
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.{s.embed_attr}(input_ids)
+        {embed_body}
 
     def forward(
         self,
@@ -254,7 +276,7 @@ class {base.name}(nn.Module):
             if inputs_embeds is not None:
                 hidden_states = inputs_embeds
             else:
-                hidden_states = self.embed_input_ids(input_ids)
+                hidden_states = self.embed_input_ids(input_ids){forward_scale}
             {start}
         else:
             assert intermediate_tensors is not None
@@ -280,6 +302,13 @@ def emit_causal_lm(plan: ModelPlan) -> str:
     packed = ",\n".join(
         f"        {k!r}: {v!r}" for k, v in plan.packed_modules_mapping().items()
     )
+    logits = s.logits
+    logits_init = "".join(f"\n        {line}" for line in logits.init_lines)
+    logits_args = "".join(
+        f", {k}={v}"
+        for k, v in (("scale", logits.scale), ("soft_cap", logits.soft_cap))
+        if v
+    )
     tie = (
         f"""
             if config.tie_word_embeddings:
@@ -300,7 +329,7 @@ class {causal.name}(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         config = vllm_config.model_config.hf_config
         quant_config = vllm_config.quant_config
         self.config = config
-        self.quant_config = quant_config
+        self.quant_config = quant_config{logits_init}
         self.{s.model_attr} = {s.base.name}(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "{s.model_attr}"))
         if get_pp_group().is_last_rank:
             self.{s.head_attr} = ParallelLMHead(
@@ -308,7 +337,7 @@ class {causal.name}(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
             ){tie}
         else:
             self.{s.head_attr} = PPMissingLayer()
-        self.logits_processor = LogitsProcessor({code(vocab)})
+        self.logits_processor = LogitsProcessor({code(vocab)}{logits_args})
         self.make_empty_intermediate_tensors = self.{s.model_attr}.make_empty_intermediate_tensors
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
