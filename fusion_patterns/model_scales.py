@@ -38,7 +38,9 @@ class EmbeddingScale:
     cast: bool  # the factor is a tensor cast to the embeddings' dtype first
 
     def describe(self) -> str:
-        return f"embeddings scaled by `{self.factor}`"
+        where = "in the embedding" if self.in_embedding else "in the model's forward"
+        defs = "".join(f"; {line}" for line in self.init_lines)
+        return f"embeddings scaled by `{self.factor}` {where}{defs}"
 
 
 @dataclass(frozen=True)

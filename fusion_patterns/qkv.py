@@ -50,6 +50,9 @@ class HeadNorm:
     spec: (
         NormSpec | None
     )  # None: a norm class the rms_norm pattern refused (copied as is)
+    # per head (Qwen3, Gemma 3), or over the whole projection (OLMo 2), which under TP
+    # is gathered across ranks, normed, and split again
+    per_head: bool = True
 
 
 @dataclass(frozen=True)
@@ -237,12 +240,20 @@ def _extract(
         if norm_attr is None:
             head_norms.append(None)
             continue
-        if not per_head:
-            raise PatternRefused(
-                f"{role}-norm over the whole projection needs a cross-rank reduction under TP"
-            )
         norm_class = info.constructed_class(norm_attr)
-        head_norms.append(HeadNorm(norm_attr, norm_class, norms[norm_class]))
+        if not per_head:
+            size = (
+                info.attrs[norm_attr].args[0].value
+                if info.attrs[norm_attr].args
+                else None
+            )
+            out_size = args["qk".index(role)][1]
+            if size is None or code(size) != code(out_size):
+                raise PatternRefused(
+                    f"{role}-norm over the whole projection is sized "
+                    f"`{code(size) if size is not None else '?'}`, not `{code(out_size)}`"
+                )
+        head_norms.append(HeadNorm(norm_attr, norm_class, norms[norm_class], per_head))
 
     used = set(projections)
     outs = [
@@ -453,7 +464,10 @@ def _prove_numbers(
             else:  # emitted as the copied source class
                 apply = theirs_norm
             t = q if name == "q" else k
-            t = apply(t.reshape(tokens, -1, head_dim)).reshape(t.shape)
+            if norm.per_head:
+                t = apply(t.reshape(tokens, -1, head_dim)).reshape(t.shape)
+            else:
+                t = apply(t)
             q, k = (t, k) if name == "q" else (q, t)
         rope = get_rope(
             head_dim,

@@ -15,7 +15,7 @@
 #   Fused: gate_proj + up_proj (GemmaMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: residual add + input_layernorm (GemmaDecoderLayer) -> input_layernorm (GemmaRMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (GemmaDecoderLayer) -> post_attention_layernorm (GemmaRMSNorm(x, residual))
-#   Kept: embeddings scaled by `self.embed_scale`
+#   Kept: embeddings scaled by `self.embed_scale` in the embedding; self.embed_scale = self.config.hidden_size**0.5
 # ======================================================================================
 """Native vLLM implementation of GemmaForCausalLM, generated from transformers/models/gemma/modeling_gemma.py."""
 

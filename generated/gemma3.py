@@ -21,7 +21,7 @@
 #   Fused: residual add + pre_feedforward_layernorm (Gemma3DecoderLayer) -> pre_feedforward_layernorm (GemmaRMSNorm(x, residual))
 #   Kept: self.post_attention_layernorm on self.self_attn's output, before the residual add (Gemma3DecoderLayer)
 #   Kept: self.post_feedforward_layernorm on self.mlp's output, before the residual add (Gemma3DecoderLayer)
-#   Kept: embeddings scaled by `self.embed_scale`
+#   Kept: embeddings scaled by `self.embed_scale` in the embedding; self.embed_scale = self.config.hidden_size**0.5
 #   Kept: logits soft-capped at `self.config.final_logit_softcapping`
 # ======================================================================================
 """Native vLLM implementation of Gemma3ForCausalLM, generated from transformers/models/gemma3/modeling_gemma3.py."""

@@ -17,7 +17,7 @@
 #   Fused: residual add + post_attention_layernorm (GraniteDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Kept: self.self_attn's output scaled by `self.residual_multiplier` before the residual add (GraniteDecoderLayer)
 #   Kept: self.mlp's output scaled by `self.residual_multiplier` before the residual add (GraniteDecoderLayer)
-#   Kept: embeddings scaled by `self.embedding_multiplier`
+#   Kept: embeddings scaled by `self.embedding_multiplier` in the model's forward; self.embedding_multiplier = config.embedding_multiplier
 #   Kept: logits scaled by `1.0 / (self.config.logits_scaling)`
 # ======================================================================================
 """Native vLLM implementation of GraniteForCausalLM, generated from transformers/models/granite/modeling_granite.py."""

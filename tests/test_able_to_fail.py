@@ -58,6 +58,54 @@ MUTATIONS = [
         "self.total_num_kv_heads,\n            bias=True,",
         "self.total_num_kv_heads,\n            bias=False,",
     ),
+    (
+        "granite",
+        "residual multiplier dropped after the MLP",
+        "hidden_states = self.mlp(hidden_states)\n        hidden_states = hidden_states * self.residual_multiplier\n",
+        "hidden_states = self.mlp(hidden_states)\n",
+    ),
+    (
+        "granite",
+        "logits scaling dropped",
+        "scale=1.0 / (self.config.logits_scaling)",
+        "scale=1.0",
+    ),
+    (
+        "gemma",
+        "embedding scale dropped",
+        "return embeds * torch.tensor(self.embed_scale, dtype=embeds.dtype)",
+        "return embeds",
+    ),
+    (
+        "gemma2",
+        "final logit soft-cap dropped",
+        "soft_cap=self.config.final_logit_softcapping",
+        "soft_cap=None",
+    ),
+    (
+        "gemma2",
+        "post-attention norm dropped",
+        "hidden_states = self.post_attention_layernorm(hidden_states)\n",
+        "",
+    ),
+    (
+        "gemma3",
+        "one rope for every layer type",
+        "rope_parameters=config.rope_parameters[config.layer_types[layer_idx]]",
+        'rope_parameters=config.rope_parameters["full_attention"]',
+    ),
+    (
+        "olmo2",
+        "whole-projection q norm dropped",
+        "q = self._whole_projection_norm(self.q_norm, q)\n",
+        "",
+    ),
+    (
+        "phi3",
+        "sliding window dropped",
+        'sliding_window = getattr(self.config, "sliding_window", None)',
+        "sliding_window = None",
+    ),
 ]
 
 
@@ -82,7 +130,7 @@ def test_verification_fails_for_each_feature_switched_off(tmp_path):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1800,
     )
     results = [
         json.loads(line[7:])

@@ -16,7 +16,16 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("torch", ("nn",)),
     ("vllm.compilation.decorators", ("support_torch_compile",)),
     ("vllm.config", ("CacheConfig", "VllmConfig")),
-    ("vllm.distributed", ("get_pp_group", "get_tensor_model_parallel_world_size")),
+    (
+        "vllm.distributed",
+        (
+            "get_pp_group",
+            "get_tensor_model_parallel_rank",
+            "get_tensor_model_parallel_world_size",
+            "split_tensor_along_last_dim",
+            "tensor_model_parallel_all_gather",
+        ),
+    ),
     ("vllm.model_executor.layers.activation", ("get_act_and_mul_fn",)),
     ("vllm.model_executor.layers.attention", ("Attention",)),
     ("vllm.model_executor.layers.layernorm", ("GemmaRMSNorm", "RMSNorm")),

@@ -23,6 +23,15 @@ CALL_KWARGS = {
     "sliding_window": "per_layer_sliding_window",
     "softcap": "logits_soft_cap",
 }
+# A norm over the whole q or k projection (OLMo 2): each rank holds some heads, so the
+# projection is gathered, normed whole and split again, as vLLM's olmo2.py does.
+WHOLE_PROJECTION_NORM = """
+    def _whole_projection_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return norm(x)
+        x = norm(tensor_model_parallel_all_gather(x.contiguous()))
+        return split_tensor_along_last_dim(x, self.tp_size)[self.tp_rank].contiguous()
+"""
 # Training-only arguments with no effect at inference.
 IGNORED_KWARGS = {"dropout"}
 
@@ -142,16 +151,27 @@ def emit(
         f"qkv, _ = self.{spec.merged}(hidden_states)",
         "q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)",
     ]
-    if spec.q_norm or spec.k_norm:
-        fwd.append("# q/k norms per head, as the source applies them")
     for norm, var, heads in (
         (spec.q_norm, "q", "self.num_heads"),
         (spec.k_norm, "k", "self.num_kv_heads"),
     ):
-        if norm is not None:
+        if norm is None:
+            continue
+        if norm.per_head:
             fwd.append(
                 f"{var} = self.{norm.attr}({var}.view(-1, {heads}, {hd})).view({var}.shape)"
             )
+        else:
+            fwd.append(f"{var} = self._whole_projection_norm(self.{norm.attr}, {var})")
+    methods = ""
+    if any(n is not None and not n.per_head for n in (spec.q_norm, spec.k_norm)):
+        body += [
+            "self.tp_rank = get_tensor_model_parallel_rank()",
+            "self.tp_size = tp_size",
+            "# a norm over the whole k projection needs each rank's own kv heads",
+            "assert tp_size == 1 or self.total_num_kv_heads % tp_size == 0",
+        ]
+        methods = WHOLE_PROJECTION_NORM
     fwd += [
         "q, k = self.rotary_emb(positions, q, k)",
         "attn_output = self.attn(q, k, v)",
@@ -165,4 +185,4 @@ class {info.name}(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
 {indent(fwd)}
-"""
+{methods}"""
