@@ -151,6 +151,8 @@ def emit(
         f"qkv, _ = self.{spec.merged}(hidden_states)",
         "q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)",
     ]
+    if any(n is not None and n.per_head for n in (spec.q_norm, spec.k_norm)):
+        fwd.append("# q/k norms per head, as the source applies them")
     for norm, var, heads in (
         (spec.q_norm, "q", "self.num_heads"),
         (spec.k_norm, "k", "self.num_kv_heads"),
