@@ -32,6 +32,7 @@ NEOX_ROTATE = m.Call(
     ],
 )
 
+TORCH_NORMS = {"nn.LayerNorm", "torch.nn.LayerNorm"}
 # config.rope_parameters[layer_type]: one rope per kind of layer (Gemma 3); an index by a
 # name, not a string key such as ["rope_theta"]
 ROPE_BY_LAYER_TYPE = m.Subscript(
@@ -89,7 +90,7 @@ class ModelStructure:
     def norm_like(self) -> set[str]:
         """Every class that computes a norm, proven or not."""
         refused = {r.source_class for r in self.refusals if r.pattern == rms_norm.NAME}
-        return set(self.norms) | refused
+        return set(self.norms) | refused | TORCH_NORMS
 
     def refuse(self, refusal: Refusal) -> None:
         self.refusals.append(refusal)
@@ -170,7 +171,8 @@ def analyse(source: ModelSource) -> ModelStructure:
             refusals.append(result)
         elif result is not None:
             norms[info.name] = result
-    norm_like = set(norms) | {r.source_class for r in refusals}
+    # torch's own LayerNorm counts as a norm too (kept as it is: GPT-NeoX)
+    norm_like = set(norms) | {r.source_class for r in refusals} | TORCH_NORMS
 
     attentions = {}
     head_norms = {**{name: None for name in norm_like}, **norms}

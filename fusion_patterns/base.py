@@ -32,11 +32,12 @@ class FusionRecord:
     # scope the stacked-weight keys so they never catch a same-named projection elsewhere.
     scope: str = ""
     # the checkpoint holds the merged tensor already (Phi-3's qkv_proj): nothing to
-    # stack, the merged layer's weight loader splits it into its shards
-    packed: bool = False
+    # stack, the merged layer's weight loader splits it into its shards. The text says
+    # how it is packed.
+    packed: str = ""
 
     def describe(self) -> str:
-        packed = ", packed in the checkpoint" if self.packed else ""
+        packed = f", {self.packed}" if self.packed else ""
         return (
             f"Fused: {' + '.join(self.sources)} ({self.source_class}) -> "
             f"{self.target} ({self.vllm_class}{packed})"

@@ -239,7 +239,7 @@ def records(spec: GLUSpec, scope: str) -> list[FusionRecord]:
             VLLM_CLASS,
             () if spec.packed else (0, 1),
             scope,
-            packed=spec.packed,
+            packed="packed in the checkpoint" if spec.packed else "",
         )
     ]
 

@@ -74,6 +74,9 @@ class QKVSpec:
     # one projection already packed [q; k; v] in the checkpoint, sliced in forward
     # (Phi-3): `projections` names it three times, its weight loader splits it
     packed: bool = False
+    # packed per head instead, [q_h; k_h; v_h] for each head h (GPT-NeoX): reordered to
+    # [q; k; v] when the checkpoint is loaded
+    interleaved: bool = False
 
 
 def merged_name(projections: tuple[str, ...], sep: str = "") -> str:
@@ -187,11 +190,13 @@ def _extract(
     info: ClassInfo, norms: dict[str, NormSpec | None], call: cst.Call
 ) -> QKVSpec:
     roles = m.extract(call, ATTENTION_CALL)
+    names = [roles[role].value for role in ("q", "k", "v")]
+    interleaved = _interleaved(info, names)
+    if interleaved is not None:
+        return _interleaved_spec(info, call, *interleaved)
     unwrapped = []
-    for role in ("q", "k", "v"):
-        unwrapped.append(
-            _unwrap(_assignment_of(info.forward, roles[role].value), info, norms)
-        )
+    for name in names:
+        unwrapped.append(_unwrap(_assignment_of(info.forward, name), info, norms))
     projections = tuple(u[0] for u in unwrapped)
     sliced = {u[4] for u in unwrapped}
     packed = sliced == {True}
@@ -286,6 +291,97 @@ def _extract(
     )
 
 
+def _interleaved(info: ClassInfo, names: list[str]):
+    """`q, k, v = y.chunk(3, dim=-1)` with `y = self.<packed>(x).view(..., 3 * self.<hd>)
+    .transpose(...)`: one projection holding [q_h; k_h; v_h] per head. Returns (packed
+    attr, input name, head-size attr), or None when q, k, v are not chunked so."""
+    chunk = m.Assign(
+        targets=[m.AssignTarget(m.Tuple([m.Element(m.Name(n)) for n in names]))],
+        value=m.Call(
+            func=m.Attribute(value=m.Name(), attr=m.Name("chunk")),
+            args=[
+                m.Arg(m.Integer("3")),
+                m.Arg(
+                    m.UnaryOperation(operator=m.Minus(), expression=m.Integer("1")),
+                    keyword=m.Name("dim"),
+                ),
+            ],
+        ),
+    )
+    found = m.findall(info.forward, chunk)
+    if not found:
+        return None
+    node = _assignment_of(info.forward, found[0].value.func.value.value)
+    head_size = None
+    while m.matches(node, m.Call(func=m.Attribute(attr=m.Name()))) and not m.matches(
+        node.func, self_attr()
+    ):
+        method = node.func.attr.value
+        if method not in LAYOUT_METHODS:
+            raise PatternRefused(f"`.{method}(...)` between a projection and attention")
+        if method == "view" and node.args and isinstance(node.args[0].value, cst.Name):
+            shape = _assignment_of(info.forward, node.args[0].value.value)
+            per_head = m.findall(
+                shape,
+                m.BinaryOperation(
+                    left=m.Integer("3"), operator=m.Multiply(), right=self_attr()
+                ),
+            )
+            if per_head:
+                head_size = per_head[0].right.attr.value
+        node = node.func.value
+    if not m.matches(node, m.Call(func=self_attr(), args=[m.Arg(m.Name())])):
+        raise PatternRefused(f"`{code(node)}` is not one projection of the input")
+    if head_size is None:
+        raise PatternRefused(
+            "the packed projection is not viewed as [..., 3 * head size]"
+        )
+    attr = node.func.attr.value
+    if not is_linear(info, attr):
+        raise PatternRefused(f"self.{attr} is not an nn.Linear")
+    return attr, node.args[0].value.value, head_size
+
+
+def _interleaved_spec(
+    info: ClassInfo, call: cst.Call, attr: str, _input: str, head_size: str
+) -> QKVSpec:
+    hidden, out, bias = linear_args(info.attrs[attr])
+    if not m.matches(
+        out, m.BinaryOperation(left=m.Integer("3"), operator=m.Multiply())
+    ):
+        raise PatternRefused(f"packed output size `{code(out)}` is not `3 * <size>`")
+    # as many kv heads as heads: the per-head packing holds one k and one v per head
+    heads = cst.parse_expression(f"({code(out.right)}) // self.{head_size}")
+    outs = [
+        a
+        for a in info.attrs
+        if is_linear(info, a)
+        and a != attr
+        and m.findall(info.forward, m.Call(func=self_attr(a)))
+    ]
+    if len(outs) != 1:
+        raise PatternRefused("no single output projection after attention")
+    return QKVSpec(
+        class_name=info.name,
+        projections=(attr, attr, attr),
+        merged=attr,
+        out_proj=outs[0],
+        hidden_size=hidden,
+        head_dim_attr=head_size,
+        num_heads=heads,
+        num_kv_heads=heads,
+        bias=bias,
+        out_args=linear_args(info.attrs[outs[0]]),
+        q_norm=None,
+        k_norm=None,
+        call_kwargs={
+            a.keyword.value: a.value for a in call.args if a.keyword is not None
+        },
+        packed=True,
+        interleaved=True,
+    )
+
+
 # <heads> * self.<hd> + 2 * (<kv heads> * self.<hd>)
 _HEADS = m.BinaryOperation(operator=m.Multiply(), right=self_attr())
 PACKED_SIZE = m.BinaryOperation(
@@ -311,6 +407,12 @@ def _packed_sizes(info: ClassInfo, out: cst.BaseExpression) -> list:
     return [out.left, out.right.right, out.right.right]
 
 
+def packed_text(spec: QKVSpec) -> str:
+    if spec.interleaved:
+        return "packed per head in the checkpoint, reordered at load"
+    return "packed in the checkpoint" if spec.packed else ""
+
+
 def records(spec: QKVSpec, scope: str, proven_norms: set[str]) -> list[FusionRecord]:
     # a packed checkpoint tensor stacks nothing: the weight loader splits it
     out = [
@@ -322,7 +424,7 @@ def records(spec: QKVSpec, scope: str, proven_norms: set[str]) -> list[FusionRec
             VLLM_CLASS,
             () if spec.packed else ("q", "k", "v"),
             scope,
-            packed=spec.packed,
+            packed=packed_text(spec),
         )
     ]
     for norm in (spec.q_norm, spec.k_norm):
@@ -390,6 +492,12 @@ def prove(
     )
 
 
+def reorder_interleaved(t, heads: int):
+    """[q_h; k_h; v_h for each head h] -> [q; k; v] along the output dim (the same
+    reorder the generated loader applies to the checkpoint)."""
+    return t.view(heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
 def _prove_numbers(
     spec: QKVSpec,
     module,
@@ -418,6 +526,11 @@ def _prove_numbers(
     if spec.packed:
         packed = getattr(module, spec.merged)
         weight, bias = packed.weight, packed.bias
+        if spec.interleaved:
+            weight, bias = (
+                None if t is None else reorder_interleaved(t, heads)
+                for t in (weight, bias)
+            )
     else:
         projs = [getattr(module, p) for p in spec.projections]
         weight = torch.cat([p.weight for p in projs])

@@ -101,6 +101,12 @@ MUTATIONS = [
         "",
     ),
     (
+        "gpt_neox",
+        "per-head packing loaded as [q; k; v]",
+        "                if heads is not None:\n",
+        "                if False:\n",
+    ),
+    (
         "phi3",
         "sliding window dropped",
         'sliding_window = getattr(self.config, "sliding_window", None)',

@@ -1,12 +1,14 @@
 """The patterns that keep the source's arithmetic outside the fusions (embedding and
-logits scales, soft-caps, residual multipliers, sandwich norms, packed projections), on
-real transformers sources and edited copies. Engine-free: matching only."""
+logits scales, soft-caps, residual multipliers, sandwich norms) and read packed
+projections, on real transformers sources and edited copies. Engine-free: matching only.
+"""
 
 from __future__ import annotations
 
 import pytest
 
 from codemods.errors import CodemodError
+from fusion_patterns.base import code
 from codemods.plan import plan
 from codemods.source import load, resolve
 from codemods.structure import analyse
@@ -67,6 +69,43 @@ def test_phi3_packed_projections_stack_nothing():
         "gate_up_proj": ["gate_up_proj"],
     }
     assert p.stacked_params() == []
+
+
+def test_gpt_neox_per_head_packing_is_reordered_at_load():
+    p = plan(analyse(load("modeling_gpt_neox.py")))
+    attention = p.structure.attention
+    assert attention.packed and attention.interleaved
+    assert attention.merged == "query_key_value"
+    # heads derived from the source's own sizes: 3 * hidden_size over 3 * head_size
+    assert code(attention.num_heads) == "(config.hidden_size) // self.head_size"
+    assert p.packed_modules_mapping() == {"query_key_value": ["query_key_value"]}
+    assert p.stacked_params() == []
+
+
+def test_reorder_interleaved_gives_q_k_v_blocks():
+    import torch
+
+    from fusion_patterns.qkv import reorder_interleaved
+
+    heads, size = 3, 2
+    # row r of head h, role j (0 q, 1 k, 2 v) holds 100 * j + 10 * h + r
+    packed = torch.tensor(
+        [
+            100 * j + 10 * h + r
+            for h in range(heads)
+            for j in range(3)
+            for r in range(size)
+        ]
+    )
+    want = torch.tensor(
+        [
+            100 * j + 10 * h + r
+            for j in range(3)
+            for h in range(heads)
+            for r in range(size)
+        ]
+    )
+    assert torch.equal(reorder_interleaved(packed, heads), want)
 
 
 @pytest.mark.parametrize(

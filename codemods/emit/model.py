@@ -171,6 +171,26 @@ class _SublayerCalls(cst.CSTTransformer):
         )
 
 
+# A projection packed per head in the checkpoint ([q_h; k_h; v_h] for each head h):
+# reordered to [q; k; v], the layout QKVParallelLinear's loader splits into shards.
+INTERLEAVED_LAYOUT = """
+    def _checkpoint_layout(self, weights):
+        for name, tensor in weights:
+            if "{key}" in f".{{name}}":
+                try:
+                    heads = self.get_submodule(name.rsplit(".", 1)[0]).total_num_heads
+                except AttributeError:  # a layer of another pipeline stage
+                    heads = None
+                if heads is not None:
+                    tensor = (
+                        tensor.view(heads, 3, -1, *tensor.shape[1:])
+                        .transpose(0, 1)
+                        .reshape(tensor.shape)
+                    )
+            yield name, tensor
+"""
+
+
 def emit_model(plan: ModelPlan) -> str:
     s = plan.structure
     base = s.base
@@ -216,6 +236,12 @@ def emit_model(plan: ModelPlan) -> str:
         if scale and not scale.in_embedding
         else ""
     )
+    weights_arg, layout = "weights", ""
+    if s.attention.interleaved:
+        weights_arg = "self._checkpoint_layout(weights)"
+        layout = INTERLEAVED_LAYOUT.format(
+            key=f".{s.attn_attr}.{s.attention.merged}."
+        )
     tied = plan.tied_embeddings
     first_rank = (
         "get_pp_group().is_first_rank or (config.tie_word_embeddings and get_pp_group().is_last_rank)"
@@ -290,8 +316,8 @@ class {base.name}(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
-"""
+        return loader.load_weights({weights_arg}, mapper=self.hf_to_vllm_mapper)
+{layout}"""
 
 
 def emit_causal_lm(plan: ModelPlan) -> str:
