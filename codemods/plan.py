@@ -75,6 +75,11 @@ class ModelPlan:
         out = residual_norm.kept(s.layer_spec) if s.layer_spec else []
         if s.embed_scale is not None:
             out.append(s.embed_scale.describe())
+        for renames in s.checkpoint_renames.values():
+            out += [
+                f"checkpoint name `{old}` loaded as `{new}`, as transformers renames it"
+                for old, new in renames.items()
+            ]
         return out + s.logits.describe()
 
     def report(self) -> list[str]:

@@ -72,6 +72,9 @@ class ModelStructure:
     refusals: list[Refusal] = field(default_factory=list)
     # (column-parallel, row-parallel) projections of an unfused MLP, set by validation
     mlp_sharding: tuple[list[str], list[str]] | None = None
+    # checkpoint names transformers renames at load, set by validation (it loads the
+    # source): {WeightsMapper field: {old: new}}
+    checkpoint_renames: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def rope_parameters(self, config, layer_idx: int) -> dict:
         """The rope parameters of layer `layer_idx`, as the source reads them."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from fusion_patterns import glu, qkv, residual_norm, rms_norm
 from fusion_patterns.base import PatternRefused, Refusal
 
-from . import loading, tiny
+from . import checkpoint_names, loading, tiny
 from .errors import CodemodError
 from .structure import ModelStructure, cannot_generate
 
@@ -66,6 +66,7 @@ def _validate(structure: ModelStructure, trust_remote_code: bool) -> None:
     module = loading.load_module(s.source, trust_remote_code)
     causal_cls = getattr(module, s.causal.name)
     config = tiny.tiny_config(causal_cls.config_class)
+    s.checkpoint_renames = checkpoint_names.renames(causal_cls, config.model_type)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = causal_cls(config).float().eval()

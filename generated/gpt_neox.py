@@ -9,6 +9,7 @@
 # ======================================================================================
 # Fusion report:
 #   Fused: query_key_value (GPTNeoXAttention) -> query_key_value (QKVParallelLinear, packed per head in the checkpoint, reordered at load)
+#   Kept: checkpoint name `embed_out.` loaded as `lm_head.`, as transformers renames it
 #   Refused: gate/up projections (GPTNeoXMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: residual add + norm (GPTNeoXLayer): forward is not a sequence of pre-norm residual blocks
 # ======================================================================================
@@ -313,6 +314,8 @@ class GPTNeoXModel(nn.Module):
 class GPTNeoXForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {"query_key_value": ["query_key_value"]}
+    # checkpoint names transformers renames at load (its conversion mapping)
+    hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix={"embed_out.": "lm_head."})
     embedding_modules = {"embed_in": "input_embeddings", "lm_head": "output_embeddings"}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -357,4 +360,4 @@ class GPTNeoXForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights)
+        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)

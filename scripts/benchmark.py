@@ -64,8 +64,8 @@ PRESETS = {
             "head_dim": 128,
         },
         # a fraction of a minute of CPU work per case
-        "throughput": {"requests": 32, "prompt": 256, "output": 16},
-        "latency": {"requests": 4, "prompt": 128, "output": 32},
+        "throughput": {"requests": 16, "prompt": 256, "output": 16},
+        "latency": {"requests": 3, "prompt": 128, "output": 32},
         "max_model_len": 512,
     },
     "cuda": {

@@ -92,3 +92,24 @@ def test_parameters_match_the_native_class(model, vllm_engine_free, tmp_path):
         assert extra and all(n.endswith(suffixes) for n in extra), (sorted(extra), why)
     else:
         assert not extra, sorted(extra)
+
+
+@pytest.mark.parametrize("model", ARCHS)
+def test_an_untied_checkpoint_loads_every_tensor(model, vllm_engine_free, tmp_path):
+    """The default tiny configs tie the head (a feature); published checkpoints of most of
+    these models are untied and keep their original names (GPT-NeoX's `embed_out`)."""
+    import importlib
+
+    header = read_header(REPO / "generated" / f"{model}.py")
+    arch, causal_name = (s.strip() for s in header["architecture"].split("->"))
+    causal_cls = reference_class(header["source"].strip(), causal_name, False)
+    config = tiny.tiny_config(causal_cls.config_class, {"tie_word_embeddings": False})
+    tiny.build_checkpoint(causal_cls, config, tmp_path)
+    ours_cls = getattr(importlib.import_module(f"generated.{model}"), causal_name)
+    ours, loaded, weights = build_loaded(
+        ours_cls, engine_config(tmp_path, arch), tmp_path, process=False
+    )
+    assert not ours.config.tie_word_embeddings
+    head = dict(ours.named_parameters())
+    assert {n for n in loaded} >= {n for n in head if "lm_head" in n or "embed" in n}
+    assert len(weights) >= len(loaded) > 0

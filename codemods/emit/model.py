@@ -239,9 +239,7 @@ def emit_model(plan: ModelPlan) -> str:
     weights_arg, layout = "weights", ""
     if s.attention.interleaved:
         weights_arg = "self._checkpoint_layout(weights)"
-        layout = INTERLEAVED_LAYOUT.format(
-            key=f".{s.attn_attr}.{s.attention.merged}."
-        )
+        layout = INTERLEAVED_LAYOUT.format(key=f".{s.attn_attr}.{s.attention.merged}.")
     tied = plan.tied_embeddings
     first_rank = (
         "get_pp_group().is_first_rank or (config.tie_word_embeddings and get_pp_group().is_last_rank)"
@@ -342,12 +340,21 @@ def emit_causal_lm(plan: ModelPlan) -> str:
         if plan.tied_embeddings
         else ""
     )
+    mapper, mapper_arg = "", ""
+    if s.checkpoint_renames:
+        fields = ", ".join(
+            f"{k}={v!r}" for k, v in sorted(s.checkpoint_renames.items())
+        )
+        mapper = f"""
+    # checkpoint names transformers renames at load (its conversion mapping)
+    hf_to_vllm_mapper = WeightsMapper({fields})"""
+        mapper_arg = ", mapper=self.hf_to_vllm_mapper"
     return f"""
 class {causal.name}(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {{
 {packed}
-    }}
+    }}{mapper}
     embedding_modules = {{"{s.embed_attr}": "input_embeddings", "{s.head_attr}": "output_embeddings"}}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -383,5 +390,5 @@ class {causal.name}(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights)
+        return loader.load_weights(weights{mapper_arg})
 """
