@@ -1,0 +1,110 @@
+"""The torch ops one decode step runs, generated class vs vLLM's native class.
+
+    python scripts/compare_ops.py llama
+    python scripts/compare_ops.py gemma3 --transformers   # against the Transformers backend
+
+Timings on a shared 2-core machine are noisy; op counts are not. This serves the same
+random checkpoint with each implementation, profiles a few greedy decode steps of one
+request, and prints per-op call counts per step for both, with the differences, so a
+ratio below 1.00x in the benchmark can be told apart from a real extra cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+STEPS = 8
+
+
+def op_counts(ckpt: str, arch: str | None) -> tuple[str, collections.Counter]:
+    """`arch` None: vLLM's Transformers backend."""
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    from codemods.engine import model_class_name, set_cpu_env
+
+    set_cpu_env(1, 1)
+    llm = LLM(
+        model=ckpt,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        **(
+            {"hf_overrides": {"architectures": [arch]}}
+            if arch
+            else {"model_impl": "transformers"}
+        ),
+    )
+    impl = llm.apply_model(model_class_name)[0]
+    prompt = [{"prompt_token_ids": list(range(1, 33))}]
+
+    def run(tokens):
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        llm.generate(prompt, params, use_tqdm=False)
+
+    run(2)  # warm-up
+    counts = {}
+    for tokens in (1, 1 + STEPS):  # prefill only, then prefill + STEPS decode steps
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]
+        ) as prof:
+            run(tokens)
+        counts[tokens] = collections.Counter(
+            {e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")}
+        )
+    del llm
+    cleanup_dist_env_and_memory()
+    per_step = counts[1 + STEPS] - counts[1]
+    return impl, collections.Counter({k: v / STEPS for k, v in per_step.items()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="a generated model, e.g. llama")
+    parser.add_argument(
+        "--transformers",
+        action="store_true",
+        help="compare with vLLM's Transformers backend instead of its native class",
+    )
+    args = parser.parse_args(argv)
+
+    from codemods import tiny
+    from codemods.logs import quiet_vllm_logging
+    from codemods.verify import read_header, reference_class
+
+    quiet_vllm_logging()
+    header = read_header(REPO / "generated" / f"{args.model}.py")
+    arch, causal_name = (s.strip() for s in header["architecture"].split("->"))
+    causal_cls = reference_class(header["source"].strip(), causal_name, False)
+    with tempfile.TemporaryDirectory() as tmp:
+        # sizes only, every other field at its default, as the benchmark serves it
+        fields = causal_cls.config_class().to_dict()
+        sizes = {k: v for k, v in tiny.SIZES.items() if k in fields}
+        config = causal_cls.config_class(**sizes)
+        tiny.build_checkpoint(causal_cls, config, Path(tmp))
+        ours_impl, ours = op_counts(tmp, arch)
+        other = None if args.transformers else causal_name
+        native_impl, native = op_counts(tmp, other)
+    label = "backend" if args.transformers else "native"
+    print(f"ops per decode step: {ours_impl} vs {native_impl}")
+    print(f"{'op':40} {'generated':>10} {label:>10}")
+    for op in sorted(ours.keys() | native.keys()):
+        if round(ours[op], 2) != round(native[op], 2):
+            print(f"{op:40} {ours[op]:10.2f} {native[op]:10.2f}")
+    total = {"generated": sum(ours.values()), label: sum(native.values())}
+    print(json.dumps({"model": args.model, "ops_per_step": total}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
