@@ -117,7 +117,8 @@ def embedding_scale(
     found: list[EmbeddingScale] = []
     cls = classes.get(base.constructed_class(embed_attr) or "")
     if cls is not None and cls.forward is not None:
-        found.append(_embedding_class_scale(cls, base.attrs[embed_attr]))
+        if scale := _embedding_class_scale(cls, base.attrs[embed_attr]):
+            found.append(scale)
     if base.forward is not None:
         embeds, matched = None, set()
         for stmt in _statements(base.forward.body):
@@ -161,10 +162,12 @@ def _embedding_class_scale(cls: ClassInfo, call: cst.Call) -> EmbeddingScale | N
         )
     attr = got["s"].value
     value = cls.attrs.get(attr)
+    if value is None or cls.init is None:
+        raise PatternRefused(f"self.{attr} of {cls.name} is not set in its __init__")
     params = [p.name.value for p in cls.init.params.params if p.name.value != "self"]
     # self.<s> = <param>   |   self.<s> = nn.Buffer(torch.tensor(<param>), ...)
     param_refs = [n.value for n in m.findall(value, m.Name()) if n.value in params]
-    if value is None or len(param_refs) != 1:
+    if len(param_refs) != 1:
         raise PatternRefused(
             f"self.{attr} of {cls.name} is not one constructor argument"
         )

@@ -149,6 +149,27 @@ def test_unhandled_arithmetic_refuses_generation(tmp_path, name, old, new, reaso
         analyse(edited(tmp_path, name, old, new))
 
 
+def test_a_plain_embedding_class_leaves_the_scale_to_the_forward(tmp_path):
+    s = analyse(
+        edited(
+            tmp_path,
+            "modeling_gemma.py",
+            "        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)",
+            "        return super().forward(input_ids)",
+        )
+    )
+    assert s.embed_scale is None  # neither scales: nothing kept
+    s = analyse(
+        edited(
+            tmp_path,
+            "modeling_granite.py",
+            "inputs_embeds = inputs_embeds * self.embedding_multiplier",
+            "inputs_embeds = 2.0 * inputs_embeds",
+        )
+    )
+    assert (s.embed_scale.factor, s.embed_scale.init_lines) == ("2.0", ())
+
+
 def test_residual_multiplier_reading_more_than_self_refuses_the_fusion(tmp_path):
     s = analyse(
         edited(
