@@ -48,17 +48,17 @@ def op_counts(ckpt: str, arch: str | None) -> tuple[str, collections.Counter]:
     impl = llm.apply_model(model_class_name)[0]
     prompt = [{"prompt_token_ids": list(range(1, 33))}]
 
-    def run(tokens):
+    def run(llm, tokens):
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
         llm.generate(prompt, params, use_tqdm=False)
 
-    run(2)  # warm-up
+    run(llm, 2)  # warm-up
     counts = {}
     for tokens in (1, 1 + STEPS):  # prefill only, then prefill + STEPS decode steps
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU]
         ) as prof:
-            run(tokens)
+            run(llm, tokens)
         counts[tokens] = collections.Counter(
             {e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")}
         )
