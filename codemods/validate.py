@@ -65,11 +65,19 @@ def _validate(structure: ModelStructure, trust_remote_code: bool) -> None:
     s = structure
     module = loading.load_module(s.source, trust_remote_code)
     causal_cls = getattr(module, s.causal.name)
-    config = tiny.tiny_config(causal_cls.config_class)
-    s.checkpoint_renames = checkpoint_names.renames(causal_cls, config.model_type)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = causal_cls(config).float().eval()
+    s.checkpoint_renames = checkpoint_names.renames(
+        causal_cls, causal_cls.config_class.model_type
+    )
+    try:
+        config = tiny.tiny_config(causal_cls.config_class)
+        config._attn_implementation = "eager"
+        torch.manual_seed(0)
+        model = causal_cls(config).float().eval()
+    except Exception as exc:  # the source's own code failed: say so in one line
+        raise CodemodError(
+            f"cannot build a tiny {s.causal.name} from the source to prove the fusions: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
     tiny.randomize(model)
     instances = _first_instances(model)
 

@@ -125,3 +125,25 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert "Traceback" not in result.stderr
     assert not any(out.iterdir())
+
+
+def test_a_source_that_fails_to_build_is_one_line_exit_2(tmp_path):
+    source = (transformers_root() / "models/qwen3/modeling_qwen3.py").read_text()
+    anchor = "        self.model = Qwen3Model(config)\n"
+    assert source.count(anchor) == 1
+    path = tmp_path / "modeling_qwen3.py"
+    path.write_text(
+        source.replace(anchor, anchor + '        raise ValueError("boom")\n')
+    )
+    out = tmp_path / "out"
+    result = run_cli(
+        "codemods.apply", str(path), "--out", str(out), "--trust-remote-code"
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == (
+        "error: cannot build a tiny Qwen3ForCausalLM from the source to prove the "
+        "fusions: ValueError: boom"
+    ), result.stderr
+    assert "Traceback" not in result.stderr
+    assert not out.exists()
