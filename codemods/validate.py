@@ -25,19 +25,26 @@ def _first_instances(model) -> dict[str, object]:
     return out
 
 
-def _capture_call(model, module, vocab: int) -> dict:
-    """The keyword arguments `module` is called with in one forward of the model."""
+def _capture_calls(model, modules: list, vocab: int) -> list[dict]:
+    """The keyword arguments each of `modules` is called with, from one forward of the
+    model (one hook per module, so every layer is captured in the same pass)."""
     import torch
 
-    seen: dict = {}
+    seen: list[dict] = [{} for _ in modules]
 
-    def hook(mod, args, kwargs):
-        if not seen:
-            seen.update(kwargs)
-            if args:
-                seen["hidden_states"] = args[0]
+    def hook_for(i):
+        def hook(mod, args, kwargs):
+            if not seen[i]:
+                seen[i].update(kwargs)
+                if args:
+                    seen[i]["hidden_states"] = args[0]
 
-    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+        return hook
+
+    handles = [
+        module.register_forward_pre_hook(hook_for(i), with_kwargs=True)
+        for i, module in enumerate(modules)
+    ]
     try:
         with torch.no_grad():
             ids = torch.randint(
@@ -45,8 +52,10 @@ def _capture_call(model, module, vocab: int) -> dict:
             )
             model(input_ids=ids, use_cache=False)
     finally:
-        handle.remove()
-    seen.pop("past_key_values", None)  # the proofs call the module again: no cache
+        for handle in handles:
+            handle.remove()
+    for call in seen:
+        call.pop("past_key_values", None)  # the proofs call the module again: no cache
     return seen
 
 
@@ -94,9 +103,9 @@ def _validate(structure: ModelStructure, trust_remote_code: bool) -> None:
     attentions = [
         mod for mod in model.modules() if type(mod).__name__ == s.attention.class_name
     ]
+    calls = _capture_calls(model, attentions, config.vocab_size)
     try:
-        for layer_idx, attention in enumerate(attentions):
-            call = _capture_call(model, attention, config.vocab_size)
+        for layer_idx, (attention, call) in enumerate(zip(attentions, calls)):
             qkv.prove(
                 s.attention,
                 attention,

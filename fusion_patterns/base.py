@@ -117,6 +117,20 @@ def self_call(name, arg) -> m.Call:
     return m.Call(func=self_attr(name), args=[m.Arg(value=arg, keyword=None)])
 
 
+def chunk_call(parts: int) -> m.Call:
+    """Matcher for `<name>.chunk(<parts>, dim=-1)`: a packed projection split in parts."""
+    return m.Call(
+        func=m.Attribute(value=m.Name(), attr=m.Name("chunk")),
+        args=[
+            m.Arg(m.Integer(str(parts))),
+            m.Arg(
+                m.UnaryOperation(operator=m.Minus(), expression=m.Integer("1")),
+                keyword=m.Name("dim"),
+            ),
+        ],
+    )
+
+
 def linear_args(
     call: cst.Call,
 ) -> tuple[cst.BaseExpression, cst.BaseExpression, cst.BaseExpression]:

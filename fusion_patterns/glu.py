@@ -23,6 +23,7 @@ import libcst.matchers as m
 
 from .base import (
     ClassInfo,
+    chunk_call,
     FusionRecord,
     PatternRefused,
     Refusal,
@@ -120,16 +121,7 @@ def _extract(info: ClassInfo, cap: dict) -> GLUSpec:
 
 def _packed(info: ClassInfo) -> GLUSpec | None:
     body = [s for s in info.forward.body.body if isinstance(s, cst.SimpleStatementLine)]
-    chunk = m.Call(
-        func=m.Attribute(value=m.Name(), attr=m.Name("chunk")),
-        args=[
-            m.Arg(m.Integer("2")),
-            m.Arg(
-                m.UnaryOperation(operator=m.Minus(), expression=m.Integer("1")),
-                keyword=m.Name("dim"),
-            ),
-        ],
-    )
+    chunk = chunk_call(2)
     split = [
         s
         for s in body

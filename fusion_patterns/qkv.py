@@ -16,6 +16,7 @@ import libcst.matchers as m
 
 from .base import (
     ClassInfo,
+    chunk_call,
     FusionRecord,
     PatternRefused,
     Refusal,
@@ -297,16 +298,7 @@ def _interleaved(info: ClassInfo, names: list[str]):
     attr, input name, head-size attr), or None when q, k, v are not chunked so."""
     chunk = m.Assign(
         targets=[m.AssignTarget(m.Tuple([m.Element(m.Name(n)) for n in names]))],
-        value=m.Call(
-            func=m.Attribute(value=m.Name(), attr=m.Name("chunk")),
-            args=[
-                m.Arg(m.Integer("3")),
-                m.Arg(
-                    m.UnaryOperation(operator=m.Minus(), expression=m.Integer("1")),
-                    keyword=m.Name("dim"),
-                ),
-            ],
-        ),
+        value=chunk_call(3),
     )
     found = m.findall(info.forward, chunk)
     if not found:
