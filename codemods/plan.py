@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import libcst.matchers as m
 
-from fusion_patterns import glu, qkv, residual_norm, rms_norm
+from fusion_patterns import glu, moe, qkv, residual_norm, rms_norm
 from fusion_patterns.base import FusionRecord, Refusal, ShardId
 
 from .structure import ModelStructure
@@ -29,8 +29,11 @@ class ModelPlan:
             for attr, cls in s.norm_attrs(owner).items():
                 out.append(rms_norm.record(s.norms[cls], owner.name, attr))
         out += qkv.records(s.attention, s.attn_attr, set(s.norms))
-        if s.mlp is not None:
-            out += glu.records(s.mlp, s.mlp_attr)
+        for spec in s.mlps.values():
+            if isinstance(spec, moe.MoESpec):
+                out += moe.records(spec, s.mlp_attr)
+            elif spec is not None:
+                out += glu.records(spec, s.mlp_attr)
         if s.layer_spec is not None:
             vllm_norms = {
                 attr: s.norms[cls].vllm_class
@@ -77,7 +80,7 @@ class ModelPlan:
             out.append(s.embed_scale.describe())
         for renames in s.checkpoint_renames.values():
             out += [
-                f"checkpoint name `{old}` loaded as `{new}`, as transformers renames it"
+                f"checkpoint name `{_readable(old)}` loaded as `{_readable(new)}`, as transformers renames it"
                 for old, new in renames.items()
             ]
         return out + s.logits.describe()
@@ -88,6 +91,11 @@ class ModelPlan:
             + [f"Kept: {line}" for line in self.kept()]
             + [r.describe() for r in self.refusals]
         )
+
+
+def _readable(name: str) -> str:
+    """A per-expert rename's regex as a name: `\\.experts\\.(\\d+)\\.w1\\.` -> `.experts.<e>.w1.`."""
+    return name.replace(r"(\d+)", "<e>").replace(r"\1", "<e>").replace(r"\.", ".")
 
 
 def plan(structure: ModelStructure) -> ModelPlan:

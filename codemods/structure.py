@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from fusion_patterns import glu, model_scales, qkv, residual_norm, rms_norm
+from fusion_patterns import glu, model_scales, moe, qkv, residual_norm, rms_norm
 from fusion_patterns.base import ClassInfo, PatternRefused, Refusal, dotted_name
 
 from .errors import CodemodError
@@ -48,13 +48,13 @@ class ModelStructure:
     # proven RMSNorm classes; a norm class not in here is copied from the source as is
     norms: dict[str, rms_norm.NormSpec]
     attention: qkv.QKVSpec
-    # None when the fusion was refused: the part is emitted unfused
-    mlp: glu.GLUSpec | None
+    # every class the decoder layer may build its MLP from (a dense MLP, a MoE block)
+    # -> its fusion; None when the fusion was refused: that class is emitted unfused
+    mlps: dict[str, glu.GLUSpec | moe.MoESpec | None]
     layer_spec: residual_norm.LayerSpec | None
     layer: ClassInfo
     base: ClassInfo
     causal: ClassInfo
-    mlp_class: str
     # attribute names on the decoder layer
     attn_attr: str
     mlp_attr: str
@@ -70,8 +70,8 @@ class ModelStructure:
     embed_scale: model_scales.EmbeddingScale | None
     logits: model_scales.LogitsSpec
     refusals: list[Refusal] = field(default_factory=list)
-    # (column-parallel, row-parallel) projections of an unfused MLP, set by validation
-    mlp_sharding: tuple[list[str], list[str]] | None = None
+    # {unfused MLP class: (column-parallel, row-parallel) projections}, set by validation
+    mlp_sharding: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict)
     # checkpoint names transformers renames at load, set by validation (it loads the
     # source): {WeightsMapper field: {old: new}}
     checkpoint_renames: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -117,6 +117,7 @@ def class_infos(module: cst.Module) -> dict[str, ClassInfo]:
         }
         init = methods.get("__init__")
         attrs: dict[str, cst.BaseExpression] = {}
+        choices: dict[str, list[cst.BaseExpression]] = {}
         if init is not None:
             for assign in m.findall(
                 init,
@@ -125,6 +126,9 @@ def class_infos(module: cst.Module) -> dict[str, ClassInfo]:
                 ),
             ):
                 attrs.setdefault(assign.targets[0].target.attr.value, assign.value)
+                choices.setdefault(assign.targets[0].target.attr.value, []).append(
+                    assign.value
+                )
         out[node.name.value] = ClassInfo(
             node=node,
             name=node.name.value,
@@ -132,6 +136,7 @@ def class_infos(module: cst.Module) -> dict[str, ClassInfo]:
             init=init,
             forward=methods.get("forward"),
             attrs=attrs,
+            choices=choices,
         )
     return out
 
@@ -159,6 +164,27 @@ def _one(kind: str, found: list, source: ModelSource):
             f"{source.display}: no {kind} found (is this a transformers causal LM modeling file?)"
         )
     return found[0]
+
+
+def _match_mlp(
+    info: ClassInfo, classes: dict[str, ClassInfo], refusals: list[Refusal]
+) -> glu.GLUSpec | moe.MoESpec | None:
+    """A MoE block, else a gated MLP; None (recorded) when a dense MLP is refused."""
+    spec = moe.match(info, classes)
+    if isinstance(spec, Refusal):
+        refusals.append(spec)
+        raise cannot_generate(refusals, "no unfused MoE form is emitted yet")
+    if spec is None:
+        spec = glu.match(info) or Refusal(
+            glu.NAME,
+            info.name,
+            "gate/up projections",
+            "forward has no `down(act(gate(x)) * up(x))` product",
+        )
+    if isinstance(spec, Refusal):
+        refusals.append(spec)
+        return None
+    return spec
 
 
 def analyse(source: ModelSource) -> ModelStructure:
@@ -196,18 +222,14 @@ def analyse(source: ModelSource) -> ModelStructure:
         raise CodemodError(
             f"cannot generate: {layer.name} builds {len(mlp_attrs)} sublayers besides attention, expected one MLP"
         )
-    mlp_attr, mlp_cls = mlp_attrs[0]
-    mlp = glu.match(classes[mlp_cls])
-    if mlp is None:
-        mlp = Refusal(
-            glu.NAME,
-            mlp_cls,
-            "gate/up projections",
-            "forward has no `down(act(gate(x)) * up(x))` product",
-        )
-    if isinstance(mlp, Refusal):
-        refusals.append(mlp)
-        mlp = None
+    mlp_attr = mlp_attrs[0][0]
+    mlps = {}
+    for cls in layer.constructed_classes(mlp_attr):
+        if cls not in classes:
+            raise CodemodError(
+                f"cannot generate: {layer.name}.{mlp_attr} may be a {cls}, not a class of the source"
+            )
+        mlps[cls] = _match_mlp(classes[cls], classes, refusals)
 
     bases = []
     for info in classes.values():
@@ -262,12 +284,11 @@ def analyse(source: ModelSource) -> ModelStructure:
         classes=classes,
         norms=norms,
         attention=attentions[attn_cls],
-        mlp=mlp,
+        mlps=mlps,
         layer_spec=layer_spec,
         layer=layer,
         base=base,
         causal=causal,
-        mlp_class=mlp_cls,
         attn_attr=attn_attr,
         mlp_attr=mlp_attr,
         embed_attr=embed_attr,

@@ -30,6 +30,14 @@ SIZES = {
     "num_key_value_heads": 2,
     "head_dim": HEAD_DIM,
     "max_position_embeddings": 512,
+    # a tiny MoE: few experts, a small top-k, a dense layer among the MoE layers
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "mlp_only_layers": [1],
+    "first_k_dense_replace": 1,
 }
 WINDOW = 8  # shorter than every verification prompt but the first
 # Booleans that are not model features (runtime switches, or another kind of model).
@@ -39,6 +47,7 @@ NOT_FEATURES = {
     "return_dict",
     "is_decoder",
     "output_attentions",
+    "output_router_logits",
 }
 LAYER_PATTERN = (
     "full_attention",
@@ -213,6 +222,15 @@ def features_on(config) -> list[str]:
                 on.append("mixed_layer_types")
         elif value not in (None, False):
             on.append(name if value is True else f"{name}={value}")
+    # dense layers among MoE layers
+    for name, plain in (
+        ("mlp_only_layers", []),
+        ("decoder_sparse_step", 1),
+        ("first_k_dense_replace", 0),
+    ):
+        value = getattr(config, name, plain)
+        if value not in (plain, None):
+            on.append(f"{name}={value}")
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
         on.append(f"rope_type={rope['rope_type']}")
@@ -236,8 +254,19 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
             param.copy_(noise / param.shape[-1] ** 0.5)
 
 
+# Checkpoint layouts: "saved" is what `save_pretrained` writes, the published names
+# (per-expert MoE tensors, Mixtral's block_sparse_moe.experts.<e>.w1); "in-memory" is
+# the model's own state dict (transformers v5 stacks experts into 3-D tensors at load).
+LAYOUTS = ("saved", "in-memory")
+
+
 def build_checkpoint(
-    causal_cls, config, out_dir: Path, raw_config: dict | None = None, seed: int = 0
+    causal_cls,
+    config,
+    out_dir: Path,
+    raw_config: dict | None = None,
+    seed: int = 0,
+    layout: str = "saved",
 ):
     """Save a random-weight fp32 safetensors checkpoint and return the transformers model
     loaded back from it, so the reference reads the same files the engine reads.
@@ -248,6 +277,8 @@ def build_checkpoint(
     model = causal_cls(config).to(torch.float32).eval()
     randomize(model, seed)
     model.save_pretrained(out_dir, safe_serialization=True)
+    if layout == "in-memory":
+        _save_state_dict(model, out_dir)
     cfg = (
         dict(raw_config)
         if raw_config is not None
@@ -261,3 +292,20 @@ def build_checkpoint(
         out_dir, dtype=torch.float32, attn_implementation="eager"
     )
     return reference.eval()
+
+
+def _save_state_dict(model: torch.nn.Module, out_dir: Path) -> None:
+    """Replace the saved weights by the model's own state dict, under its own names."""
+    from safetensors.torch import save_file
+
+    for old in out_dir.glob("model*.safetensors*"):
+        old.unlink()
+    tensors, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        if (
+            tensor.data_ptr() in seen
+        ):  # a tied weight: saved once, as save_pretrained does
+            continue
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor.contiguous()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -10,7 +10,7 @@ is emitted unfused (still correct), or, for the attention, nothing is written.
 from __future__ import annotations
 
 
-from fusion_patterns import glu, qkv, residual_norm, rms_norm
+from fusion_patterns import glu, moe, qkv, residual_norm, rms_norm
 from fusion_patterns.base import PatternRefused, Refusal
 
 from . import checkpoint_names, loading, tiny
@@ -74,8 +74,11 @@ def _validate(structure: ModelStructure, trust_remote_code: bool) -> None:
     s = structure
     module = loading.load_module(s.source, trust_remote_code)
     causal_cls = getattr(module, s.causal.name)
+    moes = [spec for spec in s.mlps.values() if isinstance(spec, moe.MoESpec)]
     s.checkpoint_renames = checkpoint_names.renames(
-        causal_cls, causal_cls.config_class.model_type
+        causal_cls,
+        causal_cls.config_class.model_type,
+        (moes[0].experts.gate_up, moes[0].experts.down) if moes else None,
     )
     try:
         config = tiny.tiny_config(causal_cls.config_class)
@@ -123,14 +126,29 @@ def _validate(structure: ModelStructure, trust_remote_code: bool) -> None:
             s.refusals, "no unfused attention form is emitted yet"
         ) from None
 
-    if s.mlp is not None:
-        try:
-            glu.prove(s.mlp, instances[s.mlp_class], config)
-        except PatternRefused as why:
-            s.refuse(Refusal(glu.NAME, s.mlp_class, "gate/up projections", str(why)))
-            s.mlp = None
-    if s.mlp is None:
-        s.mlp_sharding = unfused_mlp_sharding(instances[s.mlp_class])
+    for cls, spec in list(s.mlps.items()):
+        if cls not in instances:
+            # a class the tiny config never builds cannot be proven, nor sharded unfused
+            raise CodemodError(
+                f"cannot generate: the tiny {s.causal.name} builds no {cls} to prove it on"
+            )
+        if isinstance(spec, moe.MoESpec):
+            try:
+                moe.prove(spec, instances[cls], config)
+            except PatternRefused as why:
+                s.refuse(Refusal(moe.NAME, cls, "router + experts", str(why)))
+                raise cannot_generate(
+                    s.refusals, "no unfused MoE form is emitted yet"
+                ) from None
+            continue
+        if spec is not None:
+            try:
+                glu.prove(spec, instances[cls], config)
+            except PatternRefused as why:
+                s.refuse(Refusal(glu.NAME, cls, "gate/up projections", str(why)))
+                s.mlps[cls] = spec = None
+        if spec is None:
+            s.mlp_sharding[cls] = unfused_mlp_sharding(instances[cls])
 
     if s.layer_spec is not None:
         layer = instances[s.layer.name]

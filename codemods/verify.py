@@ -117,13 +117,14 @@ def verify(
     overrides: dict | None = None,
     config_json: dict | None = None,
     trust_remote_code: bool = False,
+    layout: str = "saved",
 ) -> dict:
     """Verify a generated model, or a modeling file (generated into a temporary folder
     and compared against that same file's model)."""
     path = resolve_target(target)
     if is_generated(path):
         return _verify_generated(
-            path, tp, pp, overrides, config_json, trust_remote_code
+            path, tp, pp, overrides, config_json, trust_remote_code, layout
         )
     from .apply import generate, output_path
 
@@ -131,11 +132,13 @@ def verify(
     with tempfile.TemporaryDirectory(prefix="verify-source-") as tmp:
         out = output_path(model_plan, Path(tmp))
         out.write_text(text, encoding="utf-8")
-        return _verify_generated(out, tp, pp, overrides, config_json, trust_remote_code)
+        return _verify_generated(
+            out, tp, pp, overrides, config_json, trust_remote_code, layout
+        )
 
 
 def _verify_generated(
-    path: Path, tp, pp, overrides, config_json, trust_remote_code
+    path: Path, tp, pp, overrides, config_json, trust_remote_code, layout
 ) -> dict:
     from . import engine, reference, registration, tiny
 
@@ -163,6 +166,8 @@ def _verify_generated(
         "fused": int(header["fused"]),
         "refused": int(header["refused"]),
     }
+    if layout != "saved":
+        result["layout"] = layout
     if adjusted:
         result["adjusted"] = adjusted
         for note in adjusted:
@@ -176,7 +181,9 @@ def _verify_generated(
                 path, causal_name, plugin_dir
             )
         ckpt = Path(tmp) / "checkpoint"
-        model = tiny.build_checkpoint(causal_cls, config, ckpt, raw_config=raw)
+        model = tiny.build_checkpoint(
+            causal_cls, config, ckpt, raw_config=raw, layout=layout
+        )
         prompts = prompts_for(model.config.vocab_size)
         ref = reference.greedy_with_logprobs(model, prompts, MAX_TOKENS)
         del model
@@ -261,6 +268,12 @@ def table(rows: list[dict]) -> str:
     )
 
 
+def tiny_layouts() -> tuple[str, ...]:
+    from .tiny import LAYOUTS
+
+    return LAYOUTS
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m codemods.verify", description=__doc__.splitlines()[0]
@@ -290,6 +303,13 @@ def main(argv: list[str] | None = None) -> int:
         help="set a config field (repeatable)",
     )
     parser.add_argument(
+        "--layout",
+        choices=tiny_layouts(),
+        default="saved",
+        help="checkpoint names: as save_pretrained writes them (published, per-expert "
+        "MoE tensors) or the model's in-memory state dict (stacked experts)",
+    )
+    parser.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="allow running a modeling file that is not part of the installed transformers",
@@ -309,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "overrides": overrides,
         "config_json": config_json,
         "trust_remote_code": args.trust_remote_code,
+        "layout": args.layout,
     }
     targets = generated_models() if args.all else [args.target]
     results = [_safe_verify(t, **kwargs) for t in targets]

@@ -35,9 +35,11 @@ class FusionRecord:
     # stack, the merged layer's weight loader splits it into its shards. The text says
     # how it is packed.
     packed: str = ""
+    # what the fused layer does beyond its name (a MoE block's routing)
+    detail: str = ""
 
     def describe(self) -> str:
-        packed = f", {self.packed}" if self.packed else ""
+        packed = "".join(f", {t}" for t in (self.packed, self.detail) if t)
         return (
             f"Fused: {' + '.join(self.sources)} ({self.source_class}) -> "
             f"{self.target} ({self.vllm_class}{packed})"
@@ -79,6 +81,9 @@ class ClassInfo:
     forward: cst.FunctionDef | None
     # `self.<attr> = <expr>` statements of `__init__`, in source order.
     attrs: dict[str, cst.BaseExpression] = field(default_factory=dict)
+    # every expression assigned to each attribute, branches included (a decoder layer
+    # that builds a MoE block on some layers and a dense MLP on the others)
+    choices: dict[str, list[cst.BaseExpression]] = field(default_factory=dict)
 
     def init_statements(self) -> list[cst.BaseStatement]:
         return list(self.init.body.body) if self.init else []
@@ -89,6 +94,11 @@ class ClassInfo:
         if isinstance(value, cst.Call):
             return dotted_name(value.func)
         return None
+
+    def constructed_classes(self, attr: str) -> list[str]:
+        """Every class `self.<attr>` may be built from, in source order."""
+        calls = [v for v in self.choices.get(attr, []) if isinstance(v, cst.Call)]
+        return list(dict.fromkeys(filter(None, (dotted_name(c.func) for c in calls))))
 
 
 def dotted_name(node: cst.BaseExpression) -> str | None:

@@ -112,6 +112,24 @@ MUTATIONS = [
         'sliding_window = getattr(self.config, "sliding_window", None)',
         "sliding_window = None",
     ),
+    (
+        "qwen3_moe",
+        "norm_topk_prob ignored",
+        "renormalize=config.norm_topk_prob,",
+        "renormalize=False,",
+    ),
+    (
+        "qwen3_moe",
+        "every layer MoE (mlp_only_layers ignored)",
+        "if (layer_idx not in config.mlp_only_layers) and (",
+        "if (layer_idx not in []) and (",
+    ),
+    (
+        "mixtral",
+        "top-k weights not renormalised",
+        "renormalize=True,",
+        "renormalize=False,",
+    ),
 ]
 
 

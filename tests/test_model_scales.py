@@ -63,7 +63,7 @@ def test_gemma3_head_norms_and_rope_per_layer_type():
 
 def test_phi3_packed_projections_stack_nothing():
     p = plan(analyse(load("modeling_phi3.py")))
-    assert p.structure.attention.packed and p.structure.mlp.packed
+    assert p.structure.attention.packed and p.structure.mlps["Phi3MLP"].packed
     assert p.packed_modules_mapping() == {
         "qkv_proj": ["qkv_proj"],
         "gate_up_proj": ["gate_up_proj"],

@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 
 from ..plan import ModelPlan
-from . import attention, copied, mlp, model
+from fusion_patterns.moe import MoESpec
+
+from . import attention, copied, mlp, model, moe
 
 # (module, names): only the names the emitted classes use are imported.
 IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -28,6 +30,7 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("vllm.model_executor.layers.activation", ("get_act_and_mul_fn",)),
     ("vllm.model_executor.layers.attention", ("Attention",)),
+    ("vllm.model_executor.layers.fused_moe", ("FusedMoEFactory", "GateLinear")),
     ("vllm.model_executor.layers.layernorm", ("GemmaRMSNorm", "RMSNorm")),
     (
         "vllm.model_executor.layers.linear",
@@ -68,7 +71,7 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 def imports_for(body: str) -> str:
     """Import lines for the names `body` uses, grouped stdlib / torch / vllm."""
     groups: dict[str, list[str]] = {
-        "std": [],
+        "std": ["import re"] if "re.compile(" in body else [],
         "torch": ["import torch"],
         "transformers": [],
         "vllm": [],
@@ -82,17 +85,20 @@ def imports_for(body: str) -> str:
 
 
 def emit_body(plan: ModelPlan) -> str:
-    """Everything below the header: imports and the five classes, unformatted."""
+    """Everything below the header: imports and the classes, unformatted."""
     s = plan.structure
     attn_info = s.classes[s.attention.class_name]
-    mlp_info = s.classes[s.mlp_class]
-    if s.mlp is not None:
-        mlp_class = mlp.emit(mlp_info, s.mlp)
-    else:
-        mlp_class = mlp.emit_unfused(mlp_info, *s.mlp_sharding)
+    mlp_classes = []
+    for cls, spec in s.mlps.items():
+        if isinstance(spec, MoESpec):
+            mlp_classes.append(moe.emit(s.classes[cls], spec))
+        elif spec is not None:
+            mlp_classes.append(mlp.emit(s.classes[cls], spec))
+        else:
+            mlp_classes.append(mlp.emit_unfused(s.classes[cls], *s.mlp_sharding[cls]))
     classes = [
         *copied.emit(s),
-        mlp_class,
+        *mlp_classes,
         attention.emit(
             attn_info, s.attention, s.norms, s.neox_rotary, s.rope_by_layer_type
         ),

@@ -92,21 +92,41 @@ def translate_init(
             out.append("super().__init__()")
             out.extend(prologue)
             continue
-        if m.matches(
-            stmt,
-            m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())]),
-        ):
-            continue
-        if m.matches(
-            stmt,
-            m.SimpleStatementLine(
-                [m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))])]
-            ),
-        ):
-            assign = stmt.body[0]
-            lines = translate(assign.targets[0].target.attr.value, assign.value)
-            if lines is not None:
-                out.extend(lines)
-                continue
-        out.extend(code(stmt).strip("\n").splitlines())
+        out.extend(_translate_statement(stmt, translate))
+    return out
+
+
+def _translate_statement(stmt: cst.BaseStatement, translate: Translate) -> list[str]:
+    """One statement; the branches of an `if` are translated too (a layer that builds a
+    MoE block on some layers and a dense MLP on the others)."""
+    if isinstance(stmt, cst.If):
+        return _translate_if(stmt, translate, "if")
+    if m.matches(
+        stmt,
+        m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())]),
+    ):
+        return []
+    if m.matches(
+        stmt,
+        m.SimpleStatementLine(
+            [m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))])]
+        ),
+    ):
+        assign = stmt.body[0]
+        lines = translate(assign.targets[0].target.attr.value, assign.value)
+        if lines is not None:
+            return lines
+    return code(stmt).strip("\n").splitlines()
+
+
+def _translate_if(node: cst.If, translate: Translate, keyword: str) -> list[str]:
+    out = [f"{keyword} {code(node.test)}:"]
+    for stmt in node.body.body:
+        out += ["    " + line for line in _translate_statement(stmt, translate)]
+    if isinstance(node.orelse, cst.If):
+        out += _translate_if(node.orelse, translate, "elif")
+    elif isinstance(node.orelse, cst.Else):
+        out.append("else:")
+        for stmt in node.orelse.body.body:
+            out += ["    " + line for line in _translate_statement(stmt, translate)]
     return out

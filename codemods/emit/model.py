@@ -343,7 +343,7 @@ def emit_causal_lm(plan: ModelPlan) -> str:
     mapper, mapper_arg = "", ""
     if s.checkpoint_renames:
         fields = ", ".join(
-            f"{k}={v!r}" for k, v in sorted(s.checkpoint_renames.items())
+            f"{k}={_mapping(k, v)}" for k, v in sorted(s.checkpoint_renames.items())
         )
         mapper = f"""
     # checkpoint names transformers renames at load (its conversion mapping)
@@ -392,3 +392,12 @@ class {causal.name}(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         loader = AutoWeightsLoader(self)
         return loader.load_weights(weights{mapper_arg})
 """
+
+
+def _mapping(kind: str, renames: dict[str, str]) -> str:
+    if kind != "orig_to_new_regex":
+        return repr(renames)
+    # raw strings: the patterns read as the regexes they are
+    return (
+        "{" + ", ".join(f're.compile(r"{k}"): r"{v}"' for k, v in renames.items()) + "}"
+    )

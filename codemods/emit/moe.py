@@ -1,0 +1,55 @@
+"""The MoE block: router and experts -> one vLLM fused MoE layer (`FusedMoEFactory`).
+
+The router's weight becomes a `GateLinear` (replicated, it is small); the experts become
+the fused layer, sharded over tensor-parallel ranks by their intermediate size, or over
+expert-parallel ranks when the engine runs with `enable_expert_parallel=True`. Its
+weight loader reads both checkpoint layouts: per-expert tensors
+(`experts.<e>.gate_proj.weight`) and the stacked ones transformers v5 keeps in memory
+(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]).
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from fusion_patterns.base import ClassInfo, code
+from fusion_patterns.moe import MoESpec
+
+from .common import MLP_EXTRAS, indent, signature, translate_init
+
+
+def emit(info: ClassInfo, spec: MoESpec) -> str:
+    def translate(attr: str, value: cst.BaseExpression) -> list[str] | None:
+        if attr == spec.router_attr:
+            return [
+                f"self.{attr} = GateLinear({code(spec.hidden)}, {code(spec.num_experts)}, "
+                f'bias=False, quant_config=quant_config, prefix=f"{{prefix}}.{attr}")'
+            ]
+        if attr == spec.experts_attr:
+            return [
+                f"# Fused: {spec.router_attr} + {attr} -> FusedMoE ({spec.describe_routing()})",
+                f"self.{attr} = FusedMoEFactory(",
+                f"    num_experts={code(spec.num_experts)},",
+                f"    top_k={code(spec.top_k)},",
+                f"    hidden_size={code(spec.hidden)},",
+                f"    intermediate_size={code(spec.intermediate)},",
+                f"    renormalize={code(spec.renormalize)},",
+                f"    activation={code(spec.activation)},",
+                "    quant_config=quant_config,",
+                f'    prefix=f"{{prefix}}.{attr}",',
+                ")",
+            ]
+        return None
+
+    body = translate_init(info, translate)
+    return f"""
+class {info.name}(nn.Module):
+    def __init__({signature(info, MLP_EXTRAS)}) -> None:
+{indent(body)}
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        hidden_states = hidden_states.view(-1, shape[-1])
+        router_logits, _ = self.{spec.router_attr}(hidden_states)
+        return self.{spec.experts_attr}(hidden_states, router_logits).view(shape)
+"""

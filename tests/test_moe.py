@@ -1,0 +1,208 @@
+"""MoE blocks -> vLLM's fused MoE layer (qwen3_moe, mixtral): what is matched, what the
+router proof refuses, and which checkpoint names reach the fused layer's loader, for
+both layouts (the published per-expert tensors and transformers' in-memory stacked
+ones). The last tests run real vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+from conftest import run_cli
+from codemods import tiny
+from codemods.source import load, resolve
+from codemods.structure import analyse
+from fusion_patterns import glu, moe
+from fusion_patterns.base import code
+
+MODELS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+def test_qwen3_moe_builds_a_moe_block_or_a_dense_mlp_per_layer():
+    s = analyse(load("modeling_qwen3_moe.py"))
+    assert list(s.mlps) == ["Qwen3MoeSparseMoeBlock", "Qwen3MoeMLP"]
+    block = s.mlps["Qwen3MoeSparseMoeBlock"]
+    assert isinstance(block, moe.MoESpec)
+    assert isinstance(s.mlps["Qwen3MoeMLP"], glu.GLUSpec)
+    # read from the router and experts classes, in the block's own names
+    assert (block.router_attr, block.experts_attr) == ("gate", "experts")
+    assert [
+        code(e)
+        for e in (
+            block.num_experts,
+            block.top_k,
+            block.hidden,
+            block.intermediate,
+            block.renormalize,
+            block.activation,
+        )
+    ] == [
+        "config.num_experts",
+        "config.num_experts_per_tok",
+        "config.hidden_size",
+        "config.moe_intermediate_size",
+        "config.norm_topk_prob",
+        "config.hidden_act",
+    ]
+    assert block.router.flag == "norm_topk_prob"
+
+
+def test_mixtral_always_renormalises():
+    s = analyse(load("modeling_mixtral.py"))
+    (block,) = s.mlps.values()
+    assert code(block.renormalize) == "True" and block.router.flag is None
+    assert code(block.num_experts) == "config.num_local_experts"
+    assert code(block.intermediate) == "config.intermediate_size"
+
+
+def _edited(tmp_path, name, old, new):
+    text = resolve(name).read_text()
+    assert text.count(old) == 1, old
+    path = tmp_path / name
+    path.write_text(text.replace(old, new))
+    return path
+
+
+def _apply(path, tmp_path):
+    return run_cli(
+        "codemods.apply",
+        str(path),
+        "--trust-remote-code",
+        "--out",
+        str(tmp_path / "out"),
+    )
+
+
+@pytest.mark.parametrize(
+    "old,new,reason",
+    [
+        (  # a routed scaling factor vLLM would not apply: the proof catches it
+            "router_top_value = router_top_value.to(router_logits.dtype)",
+            "router_top_value = (router_top_value * 2.5).to(router_logits.dtype)",
+            "the fused form differs",
+        ),
+        (
+            "router_probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)",
+            "router_probs = torch.sigmoid(router_logits.float())",
+            "routing uses `sigmoid`",
+        ),
+        (
+            "        if self.norm_topk_prob:\n            router_top_value /=",
+            "        if not self.norm_topk_prob:\n            router_top_value /=",
+            "guarded by `not self.norm_topk_prob`",
+        ),
+    ],
+    ids=["scaled-weights", "sigmoid", "inverted-flag"],
+)
+def test_a_router_vllm_would_compute_differently_is_refused(tmp_path, old, new, reason):
+    result = _apply(_edited(tmp_path, "modeling_qwen3_moe.py", old, new), tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert "Refused: router + experts (Qwen3MoeSparseMoeBlock)" in error
+    assert reason in error
+    assert not (tmp_path / "out" / "qwen3_moe.py").exists()
+
+
+def test_an_unconditional_renormalisation_is_fused_as_such(tmp_path):
+    path = _edited(
+        tmp_path,
+        "modeling_qwen3_moe.py",
+        "        if self.norm_topk_prob:\n            router_top_value /= router_top_value.sum(dim=-1, keepdim=True)",
+        "        router_top_value /= router_top_value.sum(dim=-1, keepdim=True)",
+    )
+    result = _apply(path, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = (tmp_path / "out" / "qwen3_moe.py").read_text()
+    assert "renormalize=True," in text and "config.norm_topk_prob" not in text
+
+
+def _expert_keys(tmp_path, arch: str, layout: str) -> list[str]:
+    from safetensors import safe_open
+
+    import transformers
+
+    causal_cls = getattr(transformers, MODELS[arch])
+    ckpt = tmp_path / f"{arch}-{layout}"
+    tiny.build_checkpoint(
+        causal_cls, tiny.tiny_config(causal_cls.config_class), ckpt, layout=layout
+    )
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        return [k for k in f.keys() if ".experts." in k]
+
+
+@pytest.mark.parametrize("layout", tiny.LAYOUTS)
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_every_expert_tensor_reaches_the_fused_moe_loader(tmp_path, arch, layout):
+    """The generated mappers, applied as vLLM applies them (causal LM, then base model),
+    turn every expert tensor into a name vLLM's fused MoE loader takes, and the dense
+    MLP's stacking rule never catches an expert's own gate_proj/up_proj."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    keys = _expert_keys(tmp_path, arch, layout)
+    assert keys
+    if layout == "saved":  # the published layout: one tensor per expert
+        assert not any(k.endswith(".experts.gate_up_proj") for k in keys)
+        assert all(any(f".experts.{e}." in k for k in keys) for e in range(4))
+    else:
+        assert any(k.endswith(".experts.gate_up_proj") for k in keys)
+    module = importlib.import_module(f"generated.{arch}")
+    causal = getattr(module, MODELS[arch])
+    base = next(
+        v
+        for v in vars(module).values()
+        if isinstance(v, type) and v.__name__.endswith("Model")
+    )
+    accepted = [
+        weight
+        for _, weight, _, _ in RoutedExperts.build_expert_params_mapping(
+            "gate_proj", "down_proj", "up_proj", num_experts=4, include_fused=True
+        )
+    ]
+    for key in keys:
+        name = key
+        mapper = getattr(causal, "hf_to_vllm_mapper", None)
+        if mapper is not None:
+            name = mapper.map_name(name)
+        name, shard = base.hf_to_vllm_mapper._map_name_with_shard(name)
+        assert shard is None, (key, name)  # no dense stacking rule fired
+        assert ".mlp.experts." in name, (key, name)
+        relative = name.partition(".mlp.")[2]
+        assert any(weight in relative for weight in accepted), (key, name)
+
+
+# --- real vLLM -----------------------------------------------------------------------
+
+
+def verify_json(*args: str) -> tuple[int, dict]:
+    result = run_cli("codemods.verify", *args)
+    last = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "{}"
+    return result.returncode, json.loads(last)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize(
+    "arch,args",
+    [
+        ("qwen3_moe", ["--tp", "2"]),
+        ("qwen3_moe", ["--pp", "2"]),
+        ("qwen3_moe", ["--layout", "in-memory"]),
+        ("qwen3_moe", ["--override", "decoder_sparse_step=2"]),
+        ("mixtral", ["--tp", "2"]),
+        ("mixtral", ["--pp", "2"]),
+        ("mixtral", ["--layout", "in-memory"]),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "-".join(v).strip("-"),
+)
+def test_moe_models_match_transformers_in_vllm(arch, args):
+    rc, out = verify_json(arch, *args)
+    assert rc == 0 and out["ok"] is True, out
+    assert out["impl"] == f"generated.{arch}:{MODELS[arch]}"
+    assert out["tokens_equal"] and out["max_abs_logprob_diff"] <= 1e-4
+    if "--layout" in args:
+        assert out["layout"] == "in-memory"
+    if arch == "qwen3_moe":
+        assert "norm_topk_prob" in out["features"]
+        assert "mlp_only_layers=[1]" in out["features"]
