@@ -99,11 +99,13 @@ def run(
     max_tokens: int,
     tp: int = 1,
     pp: int = 1,
+    expert_parallel: bool = False,
 ) -> EngineResult:
     from vllm import SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    llm = _llm(model_dir, arch, tp, pp)
+    extra = {"enable_expert_parallel": True} if expert_parallel else {}
+    llm = _llm(model_dir, arch, tp, pp, **extra)
     try:
         impls = set(llm.apply_model(model_class_name))
         params = SamplingParams(

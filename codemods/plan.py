@@ -6,11 +6,11 @@ read the same records, so a fusion cannot appear in one table and be missing in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import libcst.matchers as m
 
-from fusion_patterns import glu, moe, qkv, residual_norm, rms_norm
+from fusion_patterns import glu, mla, moe, qkv, residual_norm, rms_norm
 from fusion_patterns.base import FusionRecord, Refusal, ShardId
 
 from .structure import ModelStructure
@@ -28,12 +28,20 @@ class ModelPlan:
         for owner in (s.layer, s.base):
             for attr, cls in s.norm_attrs(owner).items():
                 out.append(rms_norm.record(s.norms[cls], owner.name, attr))
-        out += qkv.records(s.attention, s.attn_attr, set(s.norms))
-        for spec in s.mlps.values():
-            if isinstance(spec, moe.MoESpec):
-                out += moe.records(spec, s.mlp_attr)
-            elif spec is not None:
-                out += glu.records(spec, s.mlp_attr)
+        if isinstance(s.attention, mla.MLASpec):
+            out += mla.records(s.attention, s.attn_attr)
+        else:
+            out += qkv.records(s.attention, s.attn_attr, set(s.norms))
+        for cls, spec in s.mlps.items():
+            for scope in s.mlp_scopes[cls]:
+                found = []
+                if isinstance(spec, moe.MoESpec):
+                    found = moe.records(spec, scope)
+                elif spec is not None:
+                    found = glu.records(spec, scope)
+                if scope != s.mlp_attr:  # shared experts: say where
+                    found = [replace(r, detail=f"in self.{scope}") for r in found]
+                out += found
         if s.layer_spec is not None:
             vllm_norms = {
                 attr: s.norms[cls].vllm_class
@@ -78,9 +86,14 @@ class ModelPlan:
         out = residual_norm.kept(s.layer_spec) if s.layer_spec else []
         if s.embed_scale is not None:
             out.append(s.embed_scale.describe())
-        for renames in s.checkpoint_renames.values():
+        for kind, renames in s.checkpoint_renames.items():
+            why = (
+                "the per-expert name vLLM's fused MoE loader reads"
+                if kind in ("orig_to_new_regex", "orig_to_new_suffix")
+                else "as transformers renames it"
+            )
             out += [
-                f"checkpoint name `{_readable(old)}` loaded as `{_readable(new)}`, as transformers renames it"
+                f"checkpoint name `{_readable(old)}` loaded as `{_readable(new)}`, {why}"
                 for old, new in renames.items()
             ]
         return out + s.logits.describe()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from fusion_patterns import glu, model_scales, moe, qkv, residual_norm, rms_norm
+from fusion_patterns import glu, mla, model_scales, moe, qkv, residual_norm, rms_norm
 from fusion_patterns.base import ClassInfo, PatternRefused, Refusal, dotted_name
 
 from .errors import CodemodError
@@ -47,7 +47,7 @@ class ModelStructure:
     classes: dict[str, ClassInfo]
     # proven RMSNorm classes; a norm class not in here is copied from the source as is
     norms: dict[str, rms_norm.NormSpec]
-    attention: qkv.QKVSpec
+    attention: qkv.QKVSpec | mla.MLASpec
     # every class the decoder layer may build its MLP from (a dense MLP, a MoE block)
     # -> its fusion; None when the fusion was refused: that class is emitted unfused
     mlps: dict[str, glu.GLUSpec | moe.MoESpec | None]
@@ -70,6 +70,9 @@ class ModelStructure:
     embed_scale: model_scales.EmbeddingScale | None
     logits: model_scales.LogitsSpec
     refusals: list[Refusal] = field(default_factory=list)
+    # {MLP class: its module paths in a decoder layer} ("mlp", "mlp.shared_experts"):
+    # the stacked-weight keys of each fusion are scoped to these
+    mlp_scopes: dict[str, list[str]] = field(default_factory=dict)
     # {unfused MLP class: (column-parallel, row-parallel) projections}, set by validation
     mlp_sharding: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict)
     # checkpoint names transformers renames at load, set by validation (it loads the
@@ -206,6 +209,13 @@ def analyse(source: ModelSource) -> ModelStructure:
     attentions = {}
     head_norms = {**{name: None for name in norm_like}, **norms}
     for info in classes.values():
+        latent = mla.match(info, set(norms))
+        if isinstance(latent, Refusal):
+            refusals.append(latent)
+            raise cannot_generate(refusals, "no unfused attention form is emitted yet")
+        if latent is not None:
+            attentions[info.name] = latent
+            continue
         result = qkv.match(info, head_norms)
         if isinstance(result, Refusal):
             refusals.append(result)
@@ -230,6 +240,17 @@ def analyse(source: ModelSource) -> ModelStructure:
                 f"cannot generate: {layer.name}.{mlp_attr} may be a {cls}, not a class of the source"
             )
         mlps[cls] = _match_mlp(classes[cls], classes, refusals)
+    mlp_scopes = {cls: [mlp_attr] for cls in mlps}
+    for spec in list(mlps.values()):
+        if isinstance(spec, moe.MoESpec) and spec.shared_class:
+            # shared experts: a dense MLP inside the MoE block, emitted and proven too
+            if spec.shared_class not in mlps:
+                mlps[spec.shared_class] = _match_mlp(
+                    classes[spec.shared_class], classes, refusals
+                )
+            mlp_scopes.setdefault(spec.shared_class, []).append(
+                f"{mlp_attr}.{spec.shared_attr}"
+            )
 
     bases = []
     for info in classes.values():
@@ -285,6 +306,7 @@ def analyse(source: ModelSource) -> ModelStructure:
         norms=norms,
         attention=attentions[attn_cls],
         mlps=mlps,
+        mlp_scopes=mlp_scopes,
         layer_spec=layer_spec,
         layer=layer,
         base=base,

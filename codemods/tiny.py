@@ -38,6 +38,13 @@ SIZES = {
     "moe_intermediate_size": 128,
     "mlp_only_layers": [1],
     "first_k_dense_replace": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    # latent attention: a small q rank and heads; the latent itself keeps its published
+    # 512 + 64, the only size vLLM's CPU MLA decode kernel takes
+    "q_lora_rank": 96,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
 }
 WINDOW = 8  # shorter than every verification prompt but the first
 # Booleans that are not model features (runtime switches, or another kind of model).
@@ -110,6 +117,9 @@ def tiny_values(config_cls, overrides: dict | None = None) -> dict:
     """Config fields of the default tiny model: sizes, every feature on, then overrides."""
     fields = config_cls().to_dict()
     values = {k: v for k, v in SIZES.items() if k in fields}
+    if "kv_lora_rank" in fields and "num_attention_heads" in values:
+        # latent attention expands its latent into one key/value per head
+        values["num_key_value_heads"] = values["num_attention_heads"]
     values.update(feature_values(config_cls))
     if "layer_types" in values:
         values["num_hidden_layers"] = len(values["layer_types"])
@@ -252,6 +262,11 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
             param.copy_(0.05 * noise)
         else:
             param.copy_(noise / param.shape[-1] ** 0.5)
+    saved = set(model.state_dict())
+    for name, buffer in sorted(model.named_buffers()):
+        # a saved bias buffer (a router's score correction bias) moves the routing
+        if name in saved and "bias" in name and buffer.is_floating_point():
+            buffer.copy_(0.05 * torch.randn(buffer.shape, generator=gen))
 
 
 # Checkpoint layouts: "saved" is what `save_pretrained` writes, the published names

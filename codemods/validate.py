@@ -10,7 +10,7 @@ is emitted unfused (still correct), or, for the attention, nothing is written.
 from __future__ import annotations
 
 
-from fusion_patterns import glu, moe, qkv, residual_norm, rms_norm
+from fusion_patterns import glu, mla, moe, qkv, residual_norm, rms_norm
 from fusion_patterns.base import PatternRefused, Refusal
 
 from . import checkpoint_names, loading, tiny
@@ -106,9 +106,24 @@ def _validate(structure: ModelStructure, trust_remote_code: bool) -> None:
     attentions = [
         mod for mod in model.modules() if type(mod).__name__ == s.attention.class_name
     ]
-    calls = _capture_calls(model, attentions, config.vocab_size)
+    try:
+        calls = _capture_calls(model, attentions, config.vocab_size)
+    except Exception as exc:  # the source's own forward failed: say so in one line
+        raise CodemodError(
+            f"cannot run a tiny {s.causal.name} from the source to prove the fusions: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
     try:
         for layer_idx, (attention, call) in enumerate(zip(attentions, calls)):
+            if isinstance(s.attention, mla.MLASpec):
+                mla.prove(
+                    s.attention,
+                    attention,
+                    call,
+                    config,
+                    s.rope_parameters(config, layer_idx),
+                )
+                continue
             qkv.prove(
                 s.attention,
                 attention,
@@ -120,7 +135,12 @@ def _validate(structure: ModelStructure, trust_remote_code: bool) -> None:
             )
     except PatternRefused as why:
         s.refuse(
-            Refusal(qkv.NAME, s.attention.class_name, "q/k/v projections", str(why))
+            Refusal(
+                mla.NAME if isinstance(s.attention, mla.MLASpec) else qkv.NAME,
+                s.attention.class_name,
+                "attention projections",
+                str(why),
+            )
         )
         raise cannot_generate(
             s.refusals, "no unfused attention form is emitted yet"

@@ -118,13 +118,21 @@ def verify(
     config_json: dict | None = None,
     trust_remote_code: bool = False,
     layout: str = "saved",
+    expert_parallel: bool = False,
 ) -> dict:
     """Verify a generated model, or a modeling file (generated into a temporary folder
     and compared against that same file's model)."""
     path = resolve_target(target)
     if is_generated(path):
         return _verify_generated(
-            path, tp, pp, overrides, config_json, trust_remote_code, layout
+            path,
+            tp,
+            pp,
+            overrides,
+            config_json,
+            trust_remote_code,
+            layout,
+            expert_parallel,
         )
     from .apply import generate, output_path
 
@@ -133,12 +141,26 @@ def verify(
         out = output_path(model_plan, Path(tmp))
         out.write_text(text, encoding="utf-8")
         return _verify_generated(
-            out, tp, pp, overrides, config_json, trust_remote_code, layout
+            out,
+            tp,
+            pp,
+            overrides,
+            config_json,
+            trust_remote_code,
+            layout,
+            expert_parallel,
         )
 
 
 def _verify_generated(
-    path: Path, tp, pp, overrides, config_json, trust_remote_code, layout
+    path: Path,
+    tp,
+    pp,
+    overrides,
+    config_json,
+    trust_remote_code,
+    layout,
+    expert_parallel,
 ) -> dict:
     from . import engine, reference, registration, tiny
 
@@ -168,6 +190,8 @@ def _verify_generated(
     }
     if layout != "saved":
         result["layout"] = layout
+    if expert_parallel:
+        result["expert_parallel"] = True
     if adjusted:
         result["adjusted"] = adjusted
         for note in adjusted:
@@ -187,7 +211,15 @@ def _verify_generated(
         prompts = prompts_for(model.config.vocab_size)
         ref = reference.greedy_with_logprobs(model, prompts, MAX_TOKENS)
         del model
-        ran = engine.run(str(ckpt), arch, prompts, MAX_TOKENS, tp=tp, pp=pp)
+        ran = engine.run(
+            str(ckpt),
+            arch,
+            prompts,
+            MAX_TOKENS,
+            tp=tp,
+            pp=pp,
+            expert_parallel=expert_parallel,
+        )
 
     diffs, tokens_equal = [], True
     for prompt, (ref_tokens, ref_lp), tokens, lps in zip(
@@ -303,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
         help="set a config field (repeatable)",
     )
     parser.add_argument(
+        "--ep",
+        action="store_true",
+        help="expert parallelism: MoE experts split over the --tp ranks (enable_expert_parallel)",
+    )
+    parser.add_argument(
         "--layout",
         choices=tiny_layouts(),
         default="saved",
@@ -330,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         "config_json": config_json,
         "trust_remote_code": args.trust_remote_code,
         "layout": args.layout,
+        "expert_parallel": args.ep,
     }
     targets = generated_models() if args.all else [args.target]
     results = [_safe_verify(t, **kwargs) for t in targets]

@@ -47,20 +47,17 @@ _PARAMETER = m.Call(
 )
 _LINEAR = m.Call(func=m.Attribute(attr=m.Name("linear")) | m.Name("linear"))
 _SOFTMAX = m.Call(func=m.Attribute(attr=m.Name("softmax")) | m.Name("softmax"))
-_TOPK = m.Call(
-    func=m.Attribute(value=m.Name("torch"), attr=m.Name("topk")),
-    args=[m.Arg(), m.Arg(m.Attribute(value=m.Name("self"))), m.ZeroOrMore()],
-)
+_SIGMOID = m.Call(func=m.Attribute(attr=m.Name("sigmoid")) | m.Name("sigmoid"))
+_TOPK = m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("topk")))
 # <t>.sum(dim=-1, keepdim=True)
 _ROW_SUM = m.Call(
     func=m.Attribute(value=m.Name(), attr=m.Name("sum")),
     args=[m.ZeroOrMore(), m.Arg(keyword=m.Name("keepdim")), m.ZeroOrMore()],
 )
-_RENORMALIZE = m.AugAssign(operator=m.DivideAssign(), value=_ROW_SUM) | m.Assign(
+_RENORMALIZE = m.AugAssign(operator=m.DivideAssign()) | m.Assign(
     value=m.BinaryOperation(operator=m.Divide(), right=_ROW_SUM)
 )
-# the router scorings vLLM's FusedMoE has but this pattern does not emit yet
-_OTHER_SCORING = ("sigmoid", "e_score_correction_bias", "topk_group", "n_group")
+_SELF = m.Attribute(value=m.Name("self"))
 
 
 @dataclass(frozen=True)
@@ -72,6 +69,14 @@ class RouterSpec:
     renormalize: cst.BaseExpression
     # the router attribute the renormalisation is guarded by (its flag), if any
     flag: str | None
+    scoring: str = "softmax"  # or "sigmoid"
+    # score correction bias (added to the scores for the choice only), its attribute
+    bias: str | None = None
+    # grouped top-k: number of expert groups, groups kept per token
+    groups: cst.BaseExpression | None = None
+    topk_group: cst.BaseExpression | None = None
+    # a factor on the chosen weights
+    scale: cst.BaseExpression | None = None
 
 
 @dataclass(frozen=True)
@@ -100,13 +105,43 @@ class MoESpec:
     intermediate: cst.BaseExpression
     renormalize: cst.BaseExpression
     activation: cst.BaseExpression
+    # FusedMoE keyword arguments beyond the sizes (grouped top-k, scoring, ...), in the
+    # block's names
+    routing: tuple[tuple[str, str], ...] = ()
+    # a dense MLP run on every token and added to the output (shared experts)
+    shared_attr: str | None = None
+    shared_class: str | None = None
 
     def describe_routing(self) -> str:
         renorm = code(self.renormalize)
         how = {"True": ", renormalised", "False": ""}.get(
             renorm, f", renormalised when `{renorm}`"
         )
-        return f"softmax top-`{code(self.top_k)}` of `{code(self.num_experts)}` experts{how}"
+        r = self.router
+        extra = "".join(
+            [
+                ", with a score correction bias" if r.bias else "",
+                (
+                    f", in `{code(self.resolved('num_expert_group'))}` groups keeping `{code(self.resolved('topk_group'))}`"
+                    if r.groups is not None
+                    else ""
+                ),
+                (
+                    f", scaled by `{code(self.resolved('routed_scaling_factor'))}`"
+                    if r.scale is not None
+                    else ""
+                ),
+                (
+                    f", plus shared experts self.{self.shared_attr}"
+                    if self.shared_attr
+                    else ""
+                ),
+            ]
+        )
+        return f"{r.scoring} top-`{code(self.top_k)}` of `{code(self.num_experts)}` experts{how}{extra}"
+
+    def resolved(self, key: str) -> cst.BaseExpression:
+        return cst.parse_expression(dict(self.routing)[key])
 
 
 # --- matching ------------------------------------------------------------------------
@@ -164,32 +199,81 @@ def _parameter_shape(info: ClassInfo, attr: str) -> list[cst.BaseExpression]:
     return [a.value for a in value.args[0].value.args]
 
 
+def _k_of(call: cst.Call) -> cst.BaseExpression | None:
+    """The `k` of a `torch.topk(x, k, ...)` call."""
+    for i, arg in enumerate(call.args):
+        if (arg.keyword is None and i == 1) or (
+            arg.keyword and arg.keyword.value == "k"
+        ):
+            return arg.value
+    return None
+
+
+def _unwrapped(node: cst.BaseExpression) -> cst.BaseExpression:
+    """`self.w.type(torch.float32)` / `.float()` / `.to(...)` -> `self.w`."""
+    while m.matches(
+        node,
+        m.Call(func=m.Attribute(attr=m.Name("type") | m.Name("float") | m.Name("to"))),
+    ):
+        node = node.func.value
+    return node
+
+
 def match_router(info: ClassInfo) -> RouterSpec | None:
-    if info.forward is None or not m.findall(info.forward, _TOPK):
+    if info.forward is None:
+        return None
+    topks = m.findall(info.forward, _TOPK)
+    if not topks:
         return None
     linears = m.findall(info.forward, _LINEAR)
-    if len(linears) != 1 or not m.matches(
-        linears[0].args[1].value if len(linears[0].args) > 1 else None,
-        m.Attribute(value=m.Name("self")),
-    ):
+    weight_arg = (
+        _unwrapped(linears[0].args[1].value)
+        if len(linears) == 1 and len(linears[0].args) > 1
+        else None
+    )
+    if not m.matches(weight_arg, _SELF):
         raise PatternRefused("the router logits are not one linear of self.<weight>")
-    weight = linears[0].args[1].value.attr.value
+    weight = weight_arg.attr.value
     if len(_parameter_shape(info, weight)) != 2:
         raise PatternRefused(f"self.{weight} is not a 2-D [experts, hidden] parameter")
-    for name in _OTHER_SCORING:
-        if m.findall(info.forward, m.Name(name) | m.Attribute(attr=m.Name(name))):
-            raise PatternRefused(f"routing uses `{name}`, not emitted yet")
-    if not m.findall(info.forward, _SOFTMAX):
-        raise PatternRefused("the router does not score with a softmax")
-    topk = m.findall(info.forward, _TOPK)
-    if len(topk) != 1:
-        raise PatternRefused("the router calls torch.topk more than once")
-    top_k = topk[0].args[1].value.attr.value
+    softmax, sigmoid = (bool(m.findall(info.forward, f)) for f in (_SOFTMAX, _SIGMOID))
+    if softmax == sigmoid:
+        raise PatternRefused("the router scores neither with a softmax nor a sigmoid")
+    ks = [_k_of(c) for c in topks]
+    if len(ks) > 2 or not all(m.matches(k, _SELF) for k in ks):
+        raise PatternRefused(
+            "the router's top-k is not `torch.topk(..., self.<k>)`, once or per group"
+        )
+    groups = topk_group = None
+    if len(ks) == 2:
+        # grouped top-k: scores viewed as [tokens, self.<groups>, experts per group]
+        views = m.findall(
+            info.forward,
+            m.Call(
+                func=m.Attribute(attr=m.Name("view")),
+                args=[m.Arg(), m.Arg(_SELF), m.Arg()],
+            ),
+        )
+        if not views:
+            raise PatternRefused(
+                "two top-k calls but no [tokens, groups, experts] view"
+            )
+        groups, topk_group = views[0].args[1].value, ks[0]
+    bias = scale = None
+    for op in m.findall(info.forward, m.BinaryOperation(right=_SELF)):
+        attr = op.right.attr.value
+        if isinstance(op.operator, cst.Add) and m.matches(
+            info.attrs.get(attr),
+            m.Call(func=m.Attribute(attr=m.Name("Buffer") | m.Name("Parameter"))),
+        ):
+            bias = attr
+        elif isinstance(op.operator, cst.Multiply):
+            scale = op.right
     renormalize: cst.BaseExpression = cst.Name("False")
     flag = None
     for stmt in info.forward.body.body:
         if m.findall(stmt, _RENORMALIZE):
-            if m.matches(stmt, m.If(test=m.Attribute(value=m.Name("self")))):
+            if m.matches(stmt, m.If(test=_SELF)):
                 if stmt.orelse is not None:
                     raise PatternRefused("the renormalisation has an else branch")
                 flag = stmt.test.attr.value
@@ -203,9 +287,14 @@ def match_router(info: ClassInfo) -> RouterSpec | None:
     return RouterSpec(
         class_name=info.name,
         weight=weight,
-        top_k=cst.parse_expression(f"self.{top_k}"),
+        top_k=ks[-1],
         renormalize=renormalize,
         flag=flag,
+        scoring="sigmoid" if sigmoid else "softmax",
+        bias=bias,
+        groups=groups,
+        topk_group=topk_group,
+        scale=scale,
     )
 
 
@@ -274,7 +363,10 @@ def match_experts(info: ClassInfo) -> ExpertsSpec | None:
 
 def match(info: ClassInfo, classes: dict[str, ClassInfo]) -> MoESpec | Refusal | None:
     """The block, if `info` builds a top-k router and stacked experts."""
+    from . import glu
+
     roles: dict[str, tuple[str, object]] = {}
+    dense: dict[str, str] = {}
     try:
         for attr in info.attrs:
             cls = classes.get(info.constructed_class(attr) or "")
@@ -284,6 +376,8 @@ def match(info: ClassInfo, classes: dict[str, ClassInfo]) -> MoESpec | Refusal |
                 roles["router"] = (attr, router)
             elif (experts := match_experts(cls)) is not None:
                 roles["experts"] = (attr, experts)
+            elif isinstance(glu.match(cls), glu.GLUSpec):
+                dense[attr] = cls.name
     except PatternRefused as why:
         return Refusal(NAME, info.name, "router + experts", str(why))
     if not roles:
@@ -294,12 +388,12 @@ def match(info: ClassInfo, classes: dict[str, ClassInfo]) -> MoESpec | Refusal |
             NAME, info.name, "router + experts", f"no {missing} class matched"
         )
     try:
-        return _block(info, classes, roles)
+        return _block(info, classes, roles, dense)
     except PatternRefused as why:
         return Refusal(NAME, info.name, "router + experts", str(why))
 
 
-def _block(info, classes, roles) -> MoESpec:
+def _block(info, classes, roles, dense) -> MoESpec:
     (router_attr, router), (experts_attr, experts) = roles["router"], roles["experts"]
     if experts_attr != "experts" or router.weight != "weight":
         # vLLM's fused MoE loader finds expert tensors under `experts.`; the router's
@@ -309,11 +403,22 @@ def _block(info, classes, roles) -> MoESpec:
             "`experts` / `weight`, not emitted yet"
         )
     sublayers = [a for a in info.attrs if info.constructed_class(a) in classes]
-    if len(sublayers) != 2:
-        others = [a for a in sublayers if a not in (router_attr, experts_attr)]
-        raise PatternRefused(
-            f"the block also builds self.{others[0]} (shared experts are not emitted yet)"
+    others = [a for a in sublayers if a not in (router_attr, experts_attr)]
+    shared_attr = None
+    if others:
+        # a dense GLU added to the routed output: shared experts
+        added = m.findall(
+            info.forward,
+            m.BinaryOperation(operator=m.Add(), right=m.Call(func=_SELF)),
         )
+        shared = [
+            o.right.func.attr.value for o in added if o.right.func.attr.value in dense
+        ]
+        if len(others) != 1 or shared != others:
+            raise PatternRefused(
+                f"the block also builds self.{others[0]}, not a dense MLP added to the output"
+            )
+        shared_attr = others[0]
     calls = {
         a: m.findall(
             info.forward, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(a)))
@@ -327,6 +432,23 @@ def _block(info, classes, roles) -> MoESpec:
     r_info, e_info = classes[router.class_name], classes[experts.class_name]
     r_args = bind(r_info, info.attrs[router_attr])
     e_args = bind(e_info, info.attrs[experts_attr])
+
+    def in_block(expr):
+        return code(resolve(expr, r_info, r_args))
+
+    routing = []
+    if router.scoring != "softmax":
+        routing.append(("scoring_func", repr(router.scoring)))
+    if router.bias is not None:
+        routing.append(("e_score_correction_bias", f"self.{router_attr}.{router.bias}"))
+    if router.groups is not None:
+        routing += [
+            ("use_grouped_topk", "True"),
+            ("num_expert_group", in_block(router.groups)),
+            ("topk_group", in_block(router.topk_group)),
+        ]
+    if router.scale is not None:
+        routing.append(("routed_scaling_factor", in_block(router.scale)))
     return MoESpec(
         class_name=info.name,
         router_attr=router_attr,
@@ -339,6 +461,9 @@ def _block(info, classes, roles) -> MoESpec:
         intermediate=resolve(experts.intermediate, e_info, e_args),
         renormalize=resolve(router.renormalize, r_info, r_args),
         activation=resolve(experts.act_name, e_info, e_args),
+        routing=tuple(routing),
+        shared_attr=shared_attr,
+        shared_class=dense.get(shared_attr) if shared_attr else None,
     )
 
 
@@ -373,14 +498,16 @@ def _evaluate(expr: cst.BaseExpression, config, what: str):
         ) from None
 
 
-def fused_reference(x, router_weight, gate_up, down, top_k, renormalize, act_and_mul):
-    """vLLM's FusedMoE, written out: one token at a time, one chosen expert at a time."""
+def fused_reference(x, logits, gate_up, down, act_and_mul, routing: dict):
+    """vLLM's FusedMoE, written out: its own routing function (`grouped_topk`, which
+    covers plain top-k as one group), then one token and one chosen expert at a time."""
     import torch
 
-    probs = torch.softmax(x.float() @ router_weight.float().T, dim=-1)
-    weights, chosen = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import (
+        grouped_topk,
+    )
+
+    weights, chosen = grouped_topk(x, logits.float(), **routing)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for w, e in zip(weights[t], chosen[t]):
@@ -391,6 +518,7 @@ def fused_reference(x, router_weight, gate_up, down, top_k, renormalize, act_and
 
 def prove(spec: MoESpec, module, config) -> None:
     import torch
+    import torch.nn.functional as F
 
     from vllm.model_executor.layers.activation import get_act_and_mul_fn
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -405,31 +533,62 @@ def prove(spec: MoESpec, module, config) -> None:
         raise PatternRefused(f"vLLM's fused MoE has no activation {act!r}") from None
     router = getattr(module, spec.router_attr)
     experts = getattr(module, spec.experts_attr)
-    top_k = int(_evaluate(spec.top_k, config, "top-k"))
-    renormalize = bool(_evaluate(spec.renormalize, config, "the renormalisation"))
-    hidden = getattr(router, spec.router.weight).shape[1]
+    r = spec.router
+    routing = {
+        "topk": int(_evaluate(spec.top_k, config, "top-k")),
+        "renormalize": bool(_evaluate(spec.renormalize, config, "the renormalisation")),
+        "scoring_func": r.scoring,
+        "num_expert_group": 1,
+        "topk_group": 1,
+    }
+    if r.groups is not None:
+        routing["num_expert_group"] = int(
+            _evaluate(spec.resolved("num_expert_group"), config, "groups")
+        )
+        routing["topk_group"] = int(
+            _evaluate(spec.resolved("topk_group"), config, "top-k groups")
+        )
+    if r.scale is not None:
+        routing["routed_scaling_factor"] = float(
+            _evaluate(
+                spec.resolved("routed_scaling_factor"),
+                config,
+                "the routed scaling factor",
+            )
+        )
+    weight = getattr(router, r.weight)
+    hidden = weight.shape[1]
     x = torch.randn(2, 5, hidden, generator=torch.Generator().manual_seed(0))
-    cases = [renormalize]
-    if spec.router.flag is not None:
-        cases.append(not renormalize)
     with torch.no_grad():
+        if r.bias is not None:
+            # a bias that moves the choice: random, so a dropped bias shows
+            bias = getattr(router, r.bias)
+            bias.copy_(
+                torch.randn(bias.shape, generator=torch.Generator().manual_seed(1))
+            )
+            routing["e_score_correction_bias"] = bias
+        cases = [routing["renormalize"]]
+        if r.flag is not None:
+            cases.append(not routing["renormalize"])
         for renorm in cases:
-            if spec.router.flag is not None:
-                setattr(router, spec.router.flag, renorm)
+            if r.flag is not None:
+                setattr(router, r.flag, renorm)
             try:
                 got = module(x)
             finally:
-                if spec.router.flag is not None:
-                    setattr(router, spec.router.flag, renormalize)
+                if r.flag is not None:
+                    setattr(router, r.flag, routing["renormalize"])
+            flat = x.reshape(-1, hidden)
             want = fused_reference(
-                x.reshape(-1, hidden),
-                getattr(router, spec.router.weight),
+                flat,
+                F.linear(flat.float(), weight.float()),
                 getattr(experts, spec.experts.gate_up),
                 getattr(experts, spec.experts.down),
-                top_k,
-                renorm,
                 act_and_mul,
+                {**routing, "renormalize": renorm},
             )
+            if spec.shared_attr:
+                want = want + getattr(module, spec.shared_attr)(flat)
             require_close(
                 want,
                 got.reshape(-1, hidden),

@@ -16,9 +16,9 @@
 #   Fused: residual add + input_layernorm (MixtralDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (MixtralDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Kept: checkpoint name `.block_sparse_moe.` loaded as `.mlp.`, as transformers renames it
-#   Kept: checkpoint name `.experts.<e>.w1.` loaded as `.experts.<e>.gate_proj.`, as transformers renames it
-#   Kept: checkpoint name `.experts.<e>.w3.` loaded as `.experts.<e>.up_proj.`, as transformers renames it
-#   Kept: checkpoint name `.experts.<e>.w2.` loaded as `.experts.<e>.down_proj.`, as transformers renames it
+#   Kept: checkpoint name `.experts.<e>.w1.` loaded as `.experts.<e>.gate_proj.`, the per-expert name vLLM's fused MoE loader reads
+#   Kept: checkpoint name `.experts.<e>.w3.` loaded as `.experts.<e>.up_proj.`, the per-expert name vLLM's fused MoE loader reads
+#   Kept: checkpoint name `.experts.<e>.w2.` loaded as `.experts.<e>.down_proj.`, the per-expert name vLLM's fused MoE loader reads
 # ======================================================================================
 """Native vLLM implementation of MixtralForCausalLM, generated from transformers/models/mixtral/modeling_mixtral.py."""
 
@@ -91,7 +91,8 @@ class MixtralSparseMoeBlock(nn.Module):
         shape = hidden_states.shape
         hidden_states = hidden_states.view(-1, shape[-1])
         router_logits, _ = self.gate(hidden_states)
-        return self.experts(hidden_states, router_logits).view(shape)
+        out = self.experts(hidden_states, router_logits)
+        return out.view(shape)
 
 
 class MixtralAttention(nn.Module):

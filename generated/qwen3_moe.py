@@ -69,6 +69,13 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = ""
     ) -> None:
         super().__init__()
+        self.gate = GateLinear(
+            config.hidden_size,
+            config.num_experts,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.gate",
+        )
         # Fused: gate + experts -> FusedMoE (softmax top-`config.num_experts_per_tok` of `config.num_experts` experts, renormalised when `config.norm_topk_prob`)
         self.experts = FusedMoEFactory(
             num_experts=config.num_experts,
@@ -80,19 +87,13 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.experts",
         )
-        self.gate = GateLinear(
-            config.hidden_size,
-            config.num_experts,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.gate",
-        )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         hidden_states = hidden_states.view(-1, shape[-1])
         router_logits, _ = self.gate(hidden_states)
-        return self.experts(hidden_states, router_logits).view(shape)
+        out = self.experts(hidden_states, router_logits)
+        return out.view(shape)
 
 
 class Qwen3MoeMLP(nn.Module):

@@ -44,7 +44,7 @@ def qwen3_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_engine_free(qwen3_checkpoint, tmp_path_factory):
     """A vLLM config with a single-rank process group, for building models directly."""
-    from vllm.config import set_current_vllm_config
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
 
@@ -66,7 +66,11 @@ def vllm_engine_free(qwen3_checkpoint, tmp_path_factory):
             distributed_init_method=f"file://{init_file}",
             backend="gloo",
         )
+    # without a model config vLLM makes the expert-parallel group too, which the native
+    # MoE classes ask for when built (a dense model's config would skip it)
+    with set_current_vllm_config(VllmConfig()):
         initialize_model_parallel(1, 1)
+    with set_current_vllm_config(cfg):
         yield cfg
 
 

@@ -130,6 +130,30 @@ MUTATIONS = [
         "renormalize=True,",
         "renormalize=False,",
     ),
+    (
+        "deepseek_v3",
+        "routed scaling factor dropped",
+        "routed_scaling_factor=config.routed_scaling_factor,",
+        "",
+    ),
+    (
+        "deepseek_v3",
+        "score correction bias dropped",
+        "e_score_correction_bias=self.gate.e_score_correction_bias,",
+        "",
+    ),
+    (
+        "deepseek_v3",
+        "shared experts dropped",
+        "out = out + self.shared_experts(hidden_states)",
+        "pass",
+    ),
+    (  # vLLM 0.32's CPU rotary kernel mis-rotates the [tokens, heads, dim] query MLA passes
+        "deepseek_v3",
+        "rope on the query's 3-D view",
+        "q_out, k_out = self.rope(\n            positions, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1)\n        )",
+        "q_out, k_out = self.rope(positions, q, k)",
+    ),
 ]
 
 

@@ -1,7 +1,8 @@
-"""MoE blocks -> vLLM's fused MoE layer (qwen3_moe, mixtral): what is matched, what the
-router proof refuses, and which checkpoint names reach the fused layer's loader, for
-both layouts (the published per-expert tensors and transformers' in-memory stacked
-ones). The last tests run real vLLM.
+"""MoE blocks -> vLLM's fused MoE layer and latent attention -> vLLM's MLA layer
+(qwen3_moe, mixtral, deepseek_v3): what is matched, what the proofs refuse, and which
+checkpoint names reach the fused layer's loader, for both layouts (the published
+per-expert tensors and transformers' in-memory stacked ones). The last tests run real
+vLLM.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from codemods.structure import analyse
 from fusion_patterns import glu, moe
 from fusion_patterns.base import code
 
-MODELS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+MODELS = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
 
 
 def test_qwen3_moe_builds_a_moe_block_or_a_dense_mlp_per_layer():
@@ -84,10 +89,10 @@ def _apply(path, tmp_path):
             "router_top_value = (router_top_value * 2.5).to(router_logits.dtype)",
             "the fused form differs",
         ),
-        (
+        (  # a softmax temperature vLLM would not apply
             "router_probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)",
-            "router_probs = torch.sigmoid(router_logits.float())",
-            "routing uses `sigmoid`",
+            "router_probs = torch.nn.functional.softmax(router_logits * 2.0, dtype=torch.float, dim=-1)",
+            "the fused form differs",
         ),
         (
             "        if self.norm_topk_prob:\n            router_top_value /=",
@@ -95,7 +100,7 @@ def _apply(path, tmp_path):
             "guarded by `not self.norm_topk_prob`",
         ),
     ],
-    ids=["scaled-weights", "sigmoid", "inverted-flag"],
+    ids=["scaled-weights", "temperature", "inverted-flag"],
 )
 def test_a_router_vllm_would_compute_differently_is_refused(tmp_path, old, new, reason):
     result = _apply(_edited(tmp_path, "modeling_qwen3_moe.py", old, new), tmp_path)
@@ -117,6 +122,80 @@ def test_an_unconditional_renormalisation_is_fused_as_such(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     text = (tmp_path / "out" / "qwen3_moe.py").read_text()
     assert "renormalize=True," in text and "config.norm_topk_prob" not in text
+
+
+def test_a_sigmoid_router_is_fused_with_sigmoid_scoring(tmp_path):
+    path = _edited(
+        tmp_path,
+        "modeling_qwen3_moe.py",
+        "router_probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)",
+        "router_probs = torch.sigmoid(router_logits.float())",
+    )
+    result = _apply(path, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert 'scoring_func="sigmoid",' in (tmp_path / "out" / "qwen3_moe.py").read_text()
+
+
+def test_deepseek_v3_routing_and_latent_attention_are_read_from_the_source():
+    s = analyse(load("modeling_deepseek_v3.py"))
+    block = s.mlps["DeepseekV3MoE"]
+    assert dict(block.routing) == {
+        "scoring_func": "'sigmoid'",
+        "e_score_correction_bias": "self.gate.e_score_correction_bias",
+        "use_grouped_topk": "True",
+        "num_expert_group": "config.n_group",
+        "topk_group": "config.topk_group",
+        "routed_scaling_factor": "config.routed_scaling_factor",
+    }
+    assert (block.shared_attr, block.shared_class) == (
+        "shared_experts",
+        "DeepseekV3MLP",
+    )
+    # the shared experts' stacking is scoped to their own path
+    assert s.mlp_scopes["DeepseekV3MLP"] == ["mlp", "mlp.shared_experts"]
+    a = s.attention
+    assert (a.q_a, a.q_norm, a.q_b, a.q_proj) == (
+        "q_a_proj",
+        "q_a_layernorm",
+        "q_b_proj",
+        "q_proj",
+    )
+    assert (a.kv_a, a.kv_norm, a.kv_b, a.o_proj) == (
+        "kv_a_proj_with_mqa",
+        "kv_a_layernorm",
+        "kv_b_proj",
+        "o_proj",
+    )
+    assert code(a.neox) == "not self.config.rope_interleave"
+
+
+def test_the_rope_style_is_read_from_the_source(tmp_path):
+    """Both branches rotating halves (GPT-NeoX style): the generated rope is neox-style."""
+    path = _edited(
+        tmp_path,
+        "modeling_deepseek_v3.py",
+        "q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)",
+        "q_rot, k_rot = apply_rotary_pos_emb(q_rot, k_rot, cos, sin)",
+    )
+    result = _apply(path, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = (tmp_path / "out" / "deepseek_v3.py").read_text()
+    assert "is_neox_style=True," in text and "rope_interleave" not in text
+
+
+def test_latent_attention_without_its_latent_norm_is_refused(tmp_path):
+    path = _edited(
+        tmp_path,
+        "modeling_deepseek_v3.py",
+        "        kv_nope = self.kv_a_layernorm(kv_nope)\n",
+        "",
+    )
+    result = _apply(path, tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert "Refused: latent attention (DeepseekV3Attention)" in error
+    assert "is not normed once by a proven norm" in error
+    assert not (tmp_path / "out" / "deepseek_v3.py").exists()
 
 
 def _expert_keys(tmp_path, arch: str, layout: str) -> list[str]:
@@ -193,6 +272,10 @@ def verify_json(*args: str) -> tuple[int, dict]:
         ("mixtral", ["--tp", "2"]),
         ("mixtral", ["--pp", "2"]),
         ("mixtral", ["--layout", "in-memory"]),
+        ("deepseek_v3", ["--tp", "2"]),
+        ("deepseek_v3", ["--pp", "2"]),
+        ("deepseek_v3", ["--layout", "in-memory"]),
+        ("deepseek_v3", ["--override", "q_lora_rank=null"]),
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(v).strip("-"),
 )

@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 
 from ..plan import ModelPlan
+from fusion_patterns.mla import MLASpec
 from fusion_patterns.moe import MoESpec
 
-from . import attention, copied, mlp, model, moe
+from . import attention, copied, mla, mlp, model, moe
 
 # (module, names): only the names the emitted classes use are imported.
 IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -38,10 +39,15 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "ColumnParallelLinear",
             "MergedColumnParallelLinear",
             "QKVParallelLinear",
+            "ReplicatedLinear",
             "RowParallelLinear",
         ),
     ),
     ("vllm.model_executor.layers.logits_processor", ("LogitsProcessor",)),
+    (
+        "vllm.model_executor.layers.mla",
+        ("MLAModules", "MultiHeadLatentAttentionWrapper"),
+    ),
     ("vllm.model_executor.layers.quantization", ("QuantizationConfig",)),
     ("vllm.model_executor.layers.rotary_embedding", ("get_rope",)),
     (
@@ -71,7 +77,11 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 def imports_for(body: str) -> str:
     """Import lines for the names `body` uses, grouped stdlib / torch / vllm."""
     groups: dict[str, list[str]] = {
-        "std": ["import re"] if "re.compile(" in body else [],
+        "std": [
+            f"import {name}"
+            for name in ("math", "re")
+            if re.search(rf"\b{name}\.", body)
+        ],
         "torch": ["import torch"],
         "transformers": [],
         "vllm": [],
@@ -99,12 +109,17 @@ def emit_body(plan: ModelPlan) -> str:
     classes = [
         *copied.emit(s),
         *mlp_classes,
-        attention.emit(
-            attn_info, s.attention, s.norms, s.neox_rotary, s.rope_by_layer_type
+        (
+            mla.emit(attn_info, s.attention, s.norms)
+            if isinstance(s.attention, MLASpec)
+            else attention.emit(
+                attn_info, s.attention, s.norms, s.neox_rotary, s.rope_by_layer_type
+            )
         ),
         model.emit_layer(plan),
         model.emit_model(plan),
         model.emit_causal_lm(plan),
     ]
     body = "\n\n".join(classes)
+    body = "\n\n".join([*copied.functions(s, body), body])
     return imports_for(body) + body

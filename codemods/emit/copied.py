@@ -26,3 +26,29 @@ def emit(s: ModelStructure) -> list[str]:
             + code(node)
         )
     return out
+
+
+def functions(s: ModelStructure, body: str) -> list[str]:
+    """Module-level functions of the source the emitted code calls (DeepSeek's
+    `yarn_apply_mscale` in a kept `self.scaling = ...`), with the ones they call."""
+    import re
+
+    import libcst as cst
+
+    defined = {
+        n.name.value: n for n in s.source.module.body if isinstance(n, cst.FunctionDef)
+    }
+    wanted: list[str] = []
+    pending = [body]
+    while pending:
+        text = pending.pop()
+        for name in defined:
+            if name not in wanted and re.search(rf"\b{name}\(", text):
+                wanted.append(name)
+                pending.append(code(defined[name]))
+    return [
+        f"# Copied from {s.source.display}\n"
+        + code(defined[n].with_changes(decorators=[]))
+        for n in defined
+        if n in wanted
+    ]

@@ -7,6 +7,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from fusion_patterns.base import code, linear_args
+from fusion_patterns.mla import MLASpec
 
 from ..errors import CodemodError
 from ..plan import ModelPlan
@@ -191,6 +192,22 @@ INTERLEAVED_LAYOUT = """
 """
 
 
+# A merge the config may not build (MLA's fused_qkv_a_proj needs a q low-rank): its
+# stacked rules are dropped when this model has no such module, so the projections load
+# as themselves.
+BUILT_MERGES = """
+    def _built_merges_mapper(self) -> WeightsMapper:
+        built = {name.rsplit(".", 1)[-1] for name, _ in self.named_modules()}
+        return WeightsMapper(
+            orig_to_new_stacked={
+                old: (new, shard)
+                for old, (new, shard) in self.hf_to_vllm_mapper.orig_to_new_stacked.items()
+                if new.strip(".").rsplit(".", 1)[-1] in built
+            }
+        )
+"""
+
+
 def emit_model(plan: ModelPlan) -> str:
     s = plan.structure
     base = s.base
@@ -236,8 +253,11 @@ def emit_model(plan: ModelPlan) -> str:
         if scale and not scale.in_embedding
         else ""
     )
-    weights_arg, layout = "weights", ""
-    if s.attention.interleaved:
+    weights_arg, layout, mapper = "weights", "", "self.hf_to_vllm_mapper"
+    if isinstance(s.attention, MLASpec):
+        # the q/kv merge exists only with a q low-rank: without it nothing is stacked
+        mapper, layout = "self._built_merges_mapper()", BUILT_MERGES
+    if getattr(s.attention, "interleaved", False):
         weights_arg = "self._checkpoint_layout(weights)"
         layout = INTERLEAVED_LAYOUT.format(key=f".{s.attn_attr}.{s.attention.merged}.")
     tied = plan.tied_embeddings
@@ -314,7 +334,7 @@ class {base.name}(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        return loader.load_weights({weights_arg}, mapper=self.hf_to_vllm_mapper)
+        return loader.load_weights({weights_arg}, mapper={mapper})
 {layout}"""
 
 

@@ -15,18 +15,33 @@ import libcst as cst
 from fusion_patterns.base import ClassInfo, code
 from fusion_patterns.moe import MoESpec
 
-from .common import MLP_EXTRAS, indent, signature, translate_init
+from .common import MLP_EXTRAS, indent, signature, translate_init, with_extras
 
 
 def emit(info: ClassInfo, spec: MoESpec) -> str:
+    done: set[str] = set()
+
+    def gate_lines() -> list[str]:
+        # built before the experts: the fused layer reads its correction bias
+        done.add(spec.router_attr)
+        lines = [
+            f"self.{spec.router_attr} = GateLinear({code(spec.hidden)}, {code(spec.num_experts)}, "
+            f'bias=False, quant_config=quant_config, prefix=f"{{prefix}}.{spec.router_attr}")'
+        ]
+        if spec.router.bias:
+            lines.append(
+                f"self.{spec.router_attr}.{spec.router.bias} = nn.Parameter("
+                f"torch.empty({code(spec.num_experts)}, dtype=torch.float32))"
+            )
+        return lines
+
     def translate(attr: str, value: cst.BaseExpression) -> list[str] | None:
         if attr == spec.router_attr:
-            return [
-                f"self.{attr} = GateLinear({code(spec.hidden)}, {code(spec.num_experts)}, "
-                f'bias=False, quant_config=quant_config, prefix=f"{{prefix}}.{attr}")'
-            ]
+            return [] if attr in done else gate_lines()
         if attr == spec.experts_attr:
+            routing = [f"    {k}={v}," for k, v in spec.routing]
             return [
+                *([] if spec.router_attr in done else gate_lines()),
                 f"# Fused: {spec.router_attr} + {attr} -> FusedMoE ({spec.describe_routing()})",
                 f"self.{attr} = FusedMoEFactory(",
                 f"    num_experts={code(spec.num_experts)},",
@@ -35,13 +50,21 @@ def emit(info: ClassInfo, spec: MoESpec) -> str:
                 f"    intermediate_size={code(spec.intermediate)},",
                 f"    renormalize={code(spec.renormalize)},",
                 f"    activation={code(spec.activation)},",
+                *routing,
                 "    quant_config=quant_config,",
                 f'    prefix=f"{{prefix}}.{attr}",',
                 ")",
             ]
+        if attr == spec.shared_attr:
+            return [f"self.{attr} = {with_extras(value, MLP_EXTRAS, attr)}"]
         return None
 
     body = translate_init(info, translate)
+    shared = (
+        f"\n        out = out + self.{spec.shared_attr}(hidden_states)"
+        if spec.shared_attr
+        else ""
+    )
     return f"""
 class {info.name}(nn.Module):
     def __init__({signature(info, MLP_EXTRAS)}) -> None:
@@ -51,5 +74,6 @@ class {info.name}(nn.Module):
         shape = hidden_states.shape
         hidden_states = hidden_states.view(-1, shape[-1])
         router_logits, _ = self.{spec.router_attr}(hidden_states)
-        return self.{spec.experts_attr}(hidden_states, router_logits).view(shape)
+        out = self.{spec.experts_attr}(hidden_states, router_logits){shared}
+        return out.view(shape)
 """

@@ -1,0 +1,311 @@
+"""Multi-head latent attention (DeepSeek V2/V3) -> vLLM's MLA layer, with the q and kv
+down-projections merged into one GEMM (`fused_qkv_a_proj`).
+
+Matched on the attention class's dataflow, not its names:
+
+    q = self.<q_b>(self.<q_norm>(self.<q_a>(x)))      # or self.<q_proj>(x)
+    c = self.<kv_a>(x)
+    latent, k_rot = torch.split(c, [self.<kv_lora_rank>, self.<rope_dim>], dim=-1)
+    latent = self.<kv_norm>(latent)
+    ... self.<kv_b>(latent) ...                        # per-head k_nope and v
+    return self.<o>(...)
+
+The rope style comes from the functions the source calls (an `...interleave` function
+rotates pairs, GPT-J style); the softmax scale is the source's own `self.scaling`. The
+proof runs the source module against MLA written out on its own weights, so a role,
+size, rope style or scale read wrong is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import libcst as cst
+import libcst.matchers as m
+
+from .base import ClassInfo, FusionRecord, PatternRefused, Refusal, code, linear_args
+
+NAME = "mla"
+VLLM_CLASS = "MultiHeadLatentAttentionWrapper"
+MERGED = "fused_qkv_a_proj"
+
+_SELF = m.Attribute(value=m.Name("self"))
+_SPLIT = m.Call(
+    func=m.Attribute(value=m.Name("torch"), attr=m.Name("split")),
+    args=[m.Arg(), m.Arg(m.List([m.Element(_SELF), m.Element(_SELF)])), m.ZeroOrMore()],
+)
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    class_name: str
+    q_a: str
+    q_norm: str
+    q_b: str
+    q_proj: str | None  # the direct q projection when there is no q low-rank
+    kv_a: str
+    kv_norm: str
+    kv_b: str
+    o_proj: str
+    # `self.<attr>` names of the sizes, as the source's __init__ sets them
+    kv_lora_rank: str
+    rope_dim: str
+    neox: cst.BaseExpression  # rope style: rotate halves (True) or pairs (False)
+
+    @property
+    def merged(self) -> str:
+        return MERGED
+
+
+def _linear(info: ClassInfo, attr: str) -> cst.Call:
+    """The `nn.Linear(...)` call an attribute is built from (inside a conditional too)."""
+    calls = [
+        c
+        for c in m.findall(info.attrs.get(attr, cst.Name("None")), m.Call())
+        if code(c.func) in ("nn.Linear", "torch.nn.Linear")
+    ]
+    if len(calls) != 1:
+        raise PatternRefused(f"self.{attr} is not built from one nn.Linear")
+    return calls[0]
+
+
+def linear_of(info: ClassInfo, attr: str):
+    return linear_args(_linear(info, attr))
+
+
+def _called(node: cst.CSTNode) -> list[str]:
+    return [c.func.attr.value for c in m.findall(node, m.Call(func=_SELF))]
+
+
+def match(info: ClassInfo, norms: set[str]) -> MLASpec | Refusal | None:
+    if info.forward is None:
+        return None
+    splits = [
+        s
+        for s in m.findall(info.forward, m.Assign(value=_SPLIT))
+        if isinstance(s.targets[0].target, cst.Tuple)
+    ]
+    if not splits:
+        return None
+    try:
+        return _extract(info, norms)
+    except PatternRefused as why:
+        return Refusal(NAME, info.name, "latent attention", str(why))
+
+
+def _extract(info: ClassInfo, norms: set[str]) -> MLASpec:
+    fwd = info.forward
+    linears = {a for a in info.attrs if any(True for _ in _try_linear(info, a))}
+    norm_attrs = {a for a in info.attrs if _norm_class(info, a) in norms}
+    # the split of the kv down-projection into the latent and the shared rope key
+    kv_a = latent = None
+    for assign in m.findall(fwd, m.Assign(value=_SPLIT)):
+        source = assign.value.args[0].value
+        sizes = [e.value.attr.value for e in assign.value.args[1].value.elements]
+        for prior in m.findall(fwd, m.Assign(targets=[m.AssignTarget(m.Name())])):
+            if (
+                isinstance(source, cst.Name)
+                and prior.targets[0].target.value == source.value
+                and m.matches(prior.value, m.Call(func=_SELF))
+                and prior.value.func.attr.value in linears
+            ):
+                kv_a = prior.value.func.attr.value
+                latent = assign.targets[0].target.elements[0].value.value
+                kv_lora_rank, rope_dim = sizes
+    if kv_a is None:
+        raise PatternRefused("no projection split into [latent, rope] dims")
+    kv_norms = [
+        a.value.func.attr.value
+        for a in m.findall(
+            fwd,
+            m.Assign(
+                targets=[m.AssignTarget(m.Name(latent))],
+                value=m.Call(func=_SELF, args=[m.Arg(m.Name(latent))]),
+            ),
+        )
+        if a.value.func.attr.value in norm_attrs
+    ]
+    if len(kv_norms) != 1:
+        raise PatternRefused(
+            f"the latent `{latent}` is not normed once by a proven norm"
+        )
+    # q: the three-call chain b(norm(a(x))), or one projection
+    chains = m.findall(
+        fwd,
+        m.Call(
+            func=_SELF,
+            args=[m.Arg(m.Call(func=_SELF, args=[m.Arg(m.Call(func=_SELF))]))],
+        ),
+    )
+    if len(chains) != 1:
+        raise PatternRefused("no q low-rank chain self.<b>(self.<norm>(self.<a>(x)))")
+    q_b = chains[0].func.attr.value
+    q_norm = chains[0].args[0].value.func.attr.value
+    q_a = chains[0].args[0].value.args[0].value.func.attr.value
+    if q_norm not in norm_attrs or not {q_a, q_b} <= linears:
+        raise PatternRefused("the q chain is not linear, proven norm, linear")
+    called = set(_called(info.node))
+    rest = sorted((linears & called) - {q_a, q_b, kv_a})
+    q_proj = next((a for a in rest if a in _called(fwd) and _direct_q(fwd, a)), None)
+    rest = [a for a in rest if a != q_proj]
+    returned = [
+        r.value.func.attr.value
+        for r in m.findall(fwd, m.Assign(value=m.Call(func=_SELF)))
+        if r.value.func.attr.value in rest
+    ]
+    if len(rest) != 2 or not returned:
+        raise PatternRefused(
+            f"expected kv up- and out-projections besides q/kv-a, found {rest}"
+        )
+    o_proj = returned[-1]
+    kv_b = next(a for a in rest if a != o_proj)
+    interleave = [
+        c
+        for c in m.findall(fwd, m.Call(func=m.Name()))
+        if "rotary" in c.func.value or "rope" in c.func.value
+    ]
+    if not interleave:
+        raise PatternRefused("no rotary embedding call")
+    neox = _rope_style(fwd)
+    return MLASpec(
+        class_name=info.name,
+        q_a=q_a,
+        q_norm=q_norm,
+        q_b=q_b,
+        q_proj=q_proj,
+        kv_a=kv_a,
+        kv_norm=kv_norms[0],
+        kv_b=kv_b,
+        o_proj=o_proj,
+        kv_lora_rank=kv_lora_rank,
+        rope_dim=rope_dim,
+        neox=neox,
+    )
+
+
+def _try_linear(info, attr):
+    try:
+        _linear(info, attr)
+        yield True
+    except PatternRefused:
+        return
+
+
+def _norm_class(info: ClassInfo, attr: str) -> str | None:
+    calls = m.findall(info.attrs.get(attr, cst.Name("None")), m.Call(func=m.Name()))
+    return calls[0].func.value if calls else None
+
+
+def _direct_q(fwd: cst.FunctionDef, attr: str) -> bool:
+    """`self.<attr>(hidden_states)` on the forward's input: the full-rank q projection."""
+    first = fwd.params.params[1].name.value
+    return bool(
+        m.findall(
+            fwd,
+            m.Call(
+                func=m.Attribute(value=m.Name("self"), attr=m.Name(attr)),
+                args=[m.Arg(m.Name(first))],
+            ),
+        )
+    )
+
+
+def _rope_style(fwd: cst.FunctionDef) -> cst.BaseExpression:
+    """`is_neox_style` as an expression: pairs are rotated by an `...interleave`
+    function; `if <test>: interleave else: halves` gives `not <test>`."""
+    for node in m.findall(fwd, m.If()):
+        body_calls = [c.func.value for c in m.findall(node.body, m.Call(func=m.Name()))]
+        if any("interleave" in name for name in body_calls) and node.orelse is not None:
+            return cst.parse_expression(f"not {code(node.test)}")
+    names = [c.func.value for c in m.findall(fwd, m.Call(func=m.Name()))]
+    return cst.Name("False" if any("interleave" in n for n in names) else "True")
+
+
+def records(spec: MLASpec, scope: str) -> list[FusionRecord]:
+    return [
+        FusionRecord(
+            NAME,
+            spec.class_name,
+            (spec.q_a, spec.kv_a),
+            MERGED,
+            "MergedColumnParallelLinear",
+            (0, 1),
+            scope,
+        ),
+        FusionRecord(
+            NAME,
+            spec.class_name,
+            (spec.kv_a, spec.kv_norm, spec.kv_b, "rope", "attention"),
+            "mla_attn",
+            VLLM_CLASS,
+            scope=scope,
+            detail="latent KV cache",
+        ),
+    ]
+
+
+# --- proof ---------------------------------------------------------------------------
+# The source module on random inputs against MLA written out on its weights:
+#   q = q_b(q_norm(q_a(x))) | q_proj(x);  [c; k_rot] = kv_a(x);  [k_nope; v] = kv_b(kv_norm(c))
+#   rope on q's last `rope_dim` dims and on k_rot (shared by every head), scores scaled by
+#   the module's own `scaling`, causal softmax, o_proj.
+
+
+def prove(spec: MLASpec, module, call: dict, config, rope_parameters: dict) -> None:
+    import torch
+
+    from .dataflow import require_close
+
+    if rope_parameters.get("rope_type", "default") != "default":
+        raise PatternRefused(
+            f"rope type {rope_parameters['rope_type']!r} for latent attention is not emitted yet"
+        )
+    neox = bool(eval(code(spec.neox), {"self": module, "config": config}))  # noqa: S307
+    hidden = call["hidden_states"]
+    S = hidden.shape[1]
+    x = hidden[0]
+    kv_lora, rope = (getattr(module, a) for a in (spec.kv_lora_rank, spec.rope_dim))
+    with torch.no_grad():
+        got = module(**call)[0][0]
+        if getattr(module, spec.q_a) is None:  # no q low-rank in this config
+            q = getattr(module, spec.q_proj)(x)
+        else:
+            q_a, q_norm, q_b = (
+                getattr(module, a) for a in (spec.q_a, spec.q_norm, spec.q_b)
+            )
+            q = q_b(q_norm(q_a(x)))
+        kv_b = getattr(module, spec.kv_b)
+        c, k_rot = getattr(module, spec.kv_a)(x).split([kv_lora, rope], -1)
+        kv = kv_b(getattr(module, spec.kv_norm)(c))
+        head_count = config.num_attention_heads
+        q = q.view(S, head_count, -1)
+        qk_head = q.shape[-1]
+        nope = qk_head - rope
+        kv = kv.view(S, head_count, -1)
+        k_nope, v = kv.split([nope, kv.shape[-1] - nope], -1)
+        q_nope, q_rot = q.split([nope, rope], -1)
+        theta = rope_parameters["rope_theta"]
+        inv = 1.0 / (theta ** (torch.arange(0, rope, 2).float() / rope))
+        angle = torch.arange(S)[:, None].float() * inv
+
+        def rotate(t):
+            cos, sin = angle.cos(), angle.sin()
+            if t.dim() == 3:
+                cos, sin = cos[:, None], sin[:, None]
+            if neox:
+                t1, t2 = t[..., : rope // 2], t[..., rope // 2 :]
+                return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], -1)
+            t1, t2 = t[..., 0::2], t[..., 1::2]
+            return torch.stack([t1 * cos - t2 * sin, t2 * cos + t1 * sin], -1).flatten(
+                -2
+            )
+
+        q_rot, k_rot = rotate(q_rot), rotate(k_rot)
+        scores = (
+            torch.einsum("shd,thd->hst", q_nope, k_nope)
+            + torch.einsum("shd,td->hst", q_rot, k_rot)
+        ) * module.scaling
+        scores = scores + torch.full((S, S), float("-inf")).triu(1)
+        out = torch.einsum("hst,thd->shd", scores.softmax(-1), v).reshape(S, -1)
+        want = getattr(module, spec.o_proj)(out)
+    require_close(want, got, f"{spec.class_name} as latent attention")
