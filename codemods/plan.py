@@ -30,6 +30,11 @@ class ModelPlan:
                 out.append(rms_norm.record(s.norms[cls], owner.name, attr))
         if isinstance(s.attention, mla.MLASpec):
             out += mla.records(s.attention, s.attn_attr)
+            # its latent and q norms become vLLM norms too
+            attn = s.classes[s.attention.class_name]
+            for attr in (s.attention.q_norm, s.attention.kv_norm):
+                cls = mla.norm_class(attn, attr)
+                out.append(rms_norm.record(s.norms[cls], attn.name, attr))
         else:
             out += qkv.records(s.attention, s.attn_attr, set(s.norms))
         for cls, spec in s.mlps.items():

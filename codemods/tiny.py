@@ -117,9 +117,7 @@ def tiny_values(config_cls, overrides: dict | None = None) -> dict:
     """Config fields of the default tiny model: sizes, every feature on, then overrides."""
     fields = config_cls().to_dict()
     values = {k: v for k, v in SIZES.items() if k in fields}
-    if "kv_lora_rank" in fields and "num_attention_heads" in values:
-        # latent attention expands its latent into one key/value per head
-        values["num_key_value_heads"] = values["num_attention_heads"]
+    fit_latent_attention(values, fields)
     values.update(feature_values(config_cls))
     if "layer_types" in values:
         values["num_hidden_layers"] = len(values["layer_types"])
@@ -128,6 +126,12 @@ def tiny_values(config_cls, overrides: dict | None = None) -> dict:
     values.update({k: v for k, v in ids.items() if v != fields.get(k)})
     values.update(overrides or {})
     return values
+
+
+def fit_latent_attention(values: dict, fields: dict) -> None:
+    """Latent attention expands its latent into one key/value per head: kv heads = heads."""
+    if "kv_lora_rank" in fields and "num_attention_heads" in values:
+        values["num_key_value_heads"] = values["num_attention_heads"]
 
 
 def tiny_config(config_cls, overrides: dict | None = None):

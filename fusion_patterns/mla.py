@@ -95,8 +95,8 @@ def match(info: ClassInfo, norms: set[str]) -> MLASpec | Refusal | None:
 
 def _extract(info: ClassInfo, norms: set[str]) -> MLASpec:
     fwd = info.forward
-    linears = {a for a in info.attrs if any(True for _ in _try_linear(info, a))}
-    norm_attrs = {a for a in info.attrs if _norm_class(info, a) in norms}
+    linears = {a for a in info.attrs if _is_linear(info, a)}
+    norm_attrs = {a for a in info.attrs if norm_class(info, a) in norms}
     # the split of the kv down-projection into the latent and the shared rope key
     kv_a = latent = None
     for assign in m.findall(fwd, m.Assign(value=_SPLIT)):
@@ -159,12 +159,12 @@ def _extract(info: ClassInfo, norms: set[str]) -> MLASpec:
         )
     o_proj = returned[-1]
     kv_b = next(a for a in rest if a != o_proj)
-    interleave = [
+    rotary_calls = [
         c
         for c in m.findall(fwd, m.Call(func=m.Name()))
         if "rotary" in c.func.value or "rope" in c.func.value
     ]
-    if not interleave:
+    if not rotary_calls:
         raise PatternRefused("no rotary embedding call")
     neox = _rope_style(fwd)
     return MLASpec(
@@ -183,15 +183,16 @@ def _extract(info: ClassInfo, norms: set[str]) -> MLASpec:
     )
 
 
-def _try_linear(info, attr):
+def _is_linear(info: ClassInfo, attr: str) -> bool:
     try:
         _linear(info, attr)
-        yield True
     except PatternRefused:
-        return
+        return False
+    return True
 
 
-def _norm_class(info: ClassInfo, attr: str) -> str | None:
+def norm_class(info: ClassInfo, attr: str) -> str | None:
+    """The class a norm attribute is built from (`Norm(n) if cond else None` too)."""
     calls = m.findall(info.attrs.get(attr, cst.Name("None")), m.Call(func=m.Name()))
     return calls[0].func.value if calls else None
 

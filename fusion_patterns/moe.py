@@ -1,21 +1,26 @@
 """A sparse MoE block (a top-k router and stacked experts) -> vLLM's fused MoE layer.
 
-Matched on three classes the block builds from the source:
+Matched on the classes the block builds from the source:
 
     router:   logits = <F>.linear(x, self.<weight>)           # weight [E, H]
-              probs = softmax(logits, dim=-1)
-              top, idx = torch.topk(probs, self.<top_k>, dim=-1)
+              scores = softmax(logits) | sigmoid(logits)
+              [+ self.<bias> for the choice; grouped: view(-1, self.<groups>, ...),
+               torch.topk(group_scores, self.<topk_group>)]
+              top, idx = torch.topk(scores, self.<top_k>, dim=-1)
               [if self.<flag>:] top /= top.sum(dim=-1, keepdim=True)
+              [top = top * self.<scale>]
     experts:  self.<gate_up> = nn.Parameter(torch.empty(E, 2 * I, H))
               self.<down> = nn.Parameter(torch.empty(E, H, I))
               gate, up = <F>.linear(x, self.<gate_up>[e]).chunk(2, dim=-1)
               y = <F>.linear(self.<act>(gate) * up, self.<down>[e]) * weight
     block:    _, w, idx = self.<router>(x);  self.<experts>(x, idx, w)
+              [+ self.<shared>(x): a dense gated MLP, the shared experts]
 
-vLLM's `FusedMoE` computes exactly that: softmax over the router logits, top-k,
-optionally renormalised, then sum_k w_k * down_e(act(gate_e x) * up_e x). A router that
-scores another way (sigmoid, a correction bias, grouped top-k, a scaling factor) fails
-the proof and is refused; it is never approximated.
+Each piece found becomes the matching argument of vLLM's `FusedMoEFactory` (scoring_func,
+e_score_correction_bias, use_grouped_topk, routed_scaling_factor, renormalize). The proof
+runs the block against vLLM's own routing function (`grouped_topk`) and the experts
+written out, on the module's weights: a router that does anything else fails it and is
+refused; it is never approximated.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@
 #   Fused: norm (DeepseekV3Model) -> norm (RMSNorm)
 #   Fused: q_a_proj + kv_a_proj_with_mqa (DeepseekV3Attention) -> fused_qkv_a_proj (MergedColumnParallelLinear)
 #   Fused: kv_a_proj_with_mqa + kv_a_layernorm + kv_b_proj + rope + attention (DeepseekV3Attention) -> mla_attn (MultiHeadLatentAttentionWrapper, latent KV cache)
+#   Fused: q_a_layernorm (DeepseekV3Attention) -> q_a_layernorm (RMSNorm)
+#   Fused: kv_a_layernorm (DeepseekV3Attention) -> kv_a_layernorm (RMSNorm)
 #   Fused: gate + experts (DeepseekV3MoE) -> experts (FusedMoE, sigmoid top-`config.num_experts_per_tok` of `config.num_local_experts` experts, renormalised when `config.norm_topk_prob`, with a score correction bias, in `config.n_group` groups keeping `config.topk_group`, scaled by `config.routed_scaling_factor`, plus shared experts self.shared_experts)
 #   Fused: gate_proj + up_proj (DeepseekV3MLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: gate_proj + up_proj (DeepseekV3MLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)

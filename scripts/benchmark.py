@@ -49,6 +49,18 @@ IMPL_LABELS = {
 TRANSFORMERS_BACKEND = "vllm.model_executor.models.transformers"
 README_START, README_END = "<!-- benchmark:start -->", "<!-- benchmark:end -->"
 
+# MoE models: 8 experts, top-2, one dense layer first (fields a class lacks are skipped)
+MOE_SIZES = {
+    "num_experts": 8,
+    "num_local_experts": 8,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+}
+OPTIONAL_SIZES = {*MOE_SIZES, "moe_intermediate_size", "q_lora_rank"}
+
 # Sizes: a scaled-down Qwen3-4B (head_dim 128, 4:1 GQA, intermediate ~3.8x hidden, the LM
 # head ~10% of the weights). hidden = heads * head_dim, so configs without a head_dim field
 # get the same shapes.
@@ -62,6 +74,9 @@ PRESETS = {
             "num_attention_heads": 4,
             "num_key_value_heads": 1,
             "head_dim": 128,
+            "moe_intermediate_size": 512,
+            "q_lora_rank": 256,
+            **MOE_SIZES,
         },
         # a fraction of a minute of CPU work per case
         "throughput": {"requests": 16, "prompt": 256, "output": 16},
@@ -91,6 +106,9 @@ PRESETS = {
             "num_attention_heads": 4,
             "num_key_value_heads": 1,
             "head_dim": 64,
+            "moe_intermediate_size": 256,
+            "q_lora_rank": 128,
+            **MOE_SIZES,
         },
         "throughput": {"requests": 8, "prompt": 64, "output": 8},
         "latency": {"requests": 2, "prompt": 32, "output": 8},
@@ -240,7 +258,8 @@ def config_sizes(config_cls, sizes: dict) -> tuple[dict, list[str]]:
         names = (name, attribute_map.get(name), *SIZE_ALIASES.get(name, ()))
         field = next((n for n in names if n and n in fields), None)
         if field is None:
-            skipped.append(name)
+            if name not in OPTIONAL_SIZES:  # MoE/MLA sizes only MoE/MLA classes have
+                skipped.append(name)
         else:
             kwargs[field] = value
     # special token ids past the shrunk vocabulary (an embedding padding_idx must fit)
@@ -257,8 +276,11 @@ def config_sizes(config_cls, sizes: dict) -> tuple[dict, list[str]]:
 def build_checkpoint(causal_cls, sizes: dict, out_dir: str, seed: int, dtype) -> dict:
     import torch
 
+    from codemods.tiny import fit_latent_attention
+
     config_cls = causal_cls.config_class
     kwargs, skipped = config_sizes(config_cls, sizes)
+    fit_latent_attention(kwargs, config_cls().to_dict())
     config = config_cls(**kwargs)
     layers = getattr(config, "num_hidden_layers", None)
     types = getattr(config, "layer_types", None)
