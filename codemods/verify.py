@@ -122,34 +122,25 @@ def verify(
 ) -> dict:
     """Verify a generated model, or a modeling file (generated into a temporary folder
     and compared against that same file's model)."""
+    options = dict(
+        tp=tp,
+        pp=pp,
+        overrides=overrides,
+        config_json=config_json,
+        trust_remote_code=trust_remote_code,
+        layout=layout,
+        expert_parallel=expert_parallel,
+    )
     path = resolve_target(target)
     if is_generated(path):
-        return _verify_generated(
-            path,
-            tp,
-            pp,
-            overrides,
-            config_json,
-            trust_remote_code,
-            layout,
-            expert_parallel,
-        )
+        return _verify_generated(path, **options)
     from .apply import generate, output_path
 
     model_plan, text = generate(str(path), trust_remote_code)
     with tempfile.TemporaryDirectory(prefix="verify-source-") as tmp:
         out = output_path(model_plan, Path(tmp))
         out.write_text(text, encoding="utf-8")
-        return _verify_generated(
-            out,
-            tp,
-            pp,
-            overrides,
-            config_json,
-            trust_remote_code,
-            layout,
-            expert_parallel,
-        )
+        return _verify_generated(out, **options)
 
 
 def _verify_generated(

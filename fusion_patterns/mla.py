@@ -52,10 +52,6 @@ class MLASpec:
     rope_dim: str
     neox: cst.BaseExpression  # rope style: rotate halves (True) or pairs (False)
 
-    @property
-    def merged(self) -> str:
-        return MERGED
-
 
 def _linear(info: ClassInfo, attr: str) -> cst.Call:
     """The `nn.Linear(...)` call an attribute is built from (inside a conditional too)."""

@@ -27,6 +27,17 @@ def run_cli(
     )
 
 
+def edited_modeling_file(tmp_path: Path, name: str, old: str, new: str) -> Path:
+    """A copy of an installed transformers modeling file with `old` (once) -> `new`."""
+    from codemods.source import resolve
+
+    text = resolve(name).read_text()
+    assert text.count(old) == 1, old
+    path = tmp_path / name
+    path.write_text(text.replace(old, new))
+    return path
+
+
 @pytest.fixture(scope="session")
 def qwen3_checkpoint(tmp_path_factory):
     """(directory, transformers model) of a tiny random Qwen3 with its features on."""

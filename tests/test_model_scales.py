@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import edited_modeling_file
+
 from codemods.errors import CodemodError
 from fusion_patterns.base import code
 from codemods.plan import plan
-from codemods.source import load, resolve
+from codemods.source import load
 from codemods.structure import analyse
 
 
 def edited(tmp_path, name: str, old: str, new: str):
-    text = resolve(name).read_text()
-    assert text.count(old) == 1, old
-    path = tmp_path / name
-    path.write_text(text.replace(old, new))
-    return load(str(path))
+    return load(str(edited_modeling_file(tmp_path, name, old, new)))
 
 
 def test_granite_multipliers_are_read_from_the_source():

@@ -12,9 +12,9 @@ import json
 
 import pytest
 
-from conftest import run_cli
+from conftest import edited_modeling_file, run_cli
 from codemods import tiny
-from codemods.source import load, resolve
+from codemods.source import load
 from codemods.structure import analyse
 from fusion_patterns import glu, moe
 from fusion_patterns.base import code
@@ -63,14 +63,6 @@ def test_mixtral_always_renormalises():
     assert code(block.intermediate) == "config.intermediate_size"
 
 
-def _edited(tmp_path, name, old, new):
-    text = resolve(name).read_text()
-    assert text.count(old) == 1, old
-    path = tmp_path / name
-    path.write_text(text.replace(old, new))
-    return path
-
-
 def _apply(path, tmp_path):
     return run_cli(
         "codemods.apply",
@@ -103,7 +95,9 @@ def _apply(path, tmp_path):
     ids=["scaled-weights", "temperature", "inverted-flag"],
 )
 def test_a_router_vllm_would_compute_differently_is_refused(tmp_path, old, new, reason):
-    result = _apply(_edited(tmp_path, "modeling_qwen3_moe.py", old, new), tmp_path)
+    result = _apply(
+        edited_modeling_file(tmp_path, "modeling_qwen3_moe.py", old, new), tmp_path
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     error = result.stderr.strip().splitlines()[-1]
     assert "Refused: router + experts (Qwen3MoeSparseMoeBlock)" in error
@@ -112,7 +106,7 @@ def test_a_router_vllm_would_compute_differently_is_refused(tmp_path, old, new, 
 
 
 def test_an_unconditional_renormalisation_is_fused_as_such(tmp_path):
-    path = _edited(
+    path = edited_modeling_file(
         tmp_path,
         "modeling_qwen3_moe.py",
         "        if self.norm_topk_prob:\n            router_top_value /= router_top_value.sum(dim=-1, keepdim=True)",
@@ -125,7 +119,7 @@ def test_an_unconditional_renormalisation_is_fused_as_such(tmp_path):
 
 
 def test_a_sigmoid_router_is_fused_with_sigmoid_scoring(tmp_path):
-    path = _edited(
+    path = edited_modeling_file(
         tmp_path,
         "modeling_qwen3_moe.py",
         "router_probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)",
@@ -171,7 +165,7 @@ def test_deepseek_v3_routing_and_latent_attention_are_read_from_the_source():
 
 def test_the_rope_style_is_read_from_the_source(tmp_path):
     """Both branches rotating halves (GPT-NeoX style): the generated rope is neox-style."""
-    path = _edited(
+    path = edited_modeling_file(
         tmp_path,
         "modeling_deepseek_v3.py",
         "q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)",
@@ -184,7 +178,7 @@ def test_the_rope_style_is_read_from_the_source(tmp_path):
 
 
 def test_latent_attention_without_its_latent_norm_is_refused(tmp_path):
-    path = _edited(
+    path = edited_modeling_file(
         tmp_path,
         "modeling_deepseek_v3.py",
         "        kv_nope = self.kv_a_layernorm(kv_nope)\n",
