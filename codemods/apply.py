@@ -8,12 +8,15 @@ on stderr, when the input cannot be turned into a correct model; nothing is writ
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from . import manifest
 from .emit import emit_body
 from .errors import CodemodError
+from . import faithful
+from .faithful import FaithfulPlan
 from .files import DEFAULT_OUT, unified_diff, write_atomic
 from .plan import ModelPlan, plan
 from .render import render
@@ -23,17 +26,53 @@ from .logs import quiet_vllm_logging
 from .validate import validate
 
 
-def generate(name: str, trust_remote_code: bool = False) -> tuple[ModelPlan, str]:
+def generate(
+    name: str, trust_remote_code: bool = False, layout: str = "auto"
+) -> tuple[ModelPlan | FaithfulPlan, str]:
     """The plan and the full text of the generated file for one modeling file:
-    source -> match -> validate -> plan -> emit -> render."""
-    structure = analyse(load(name))
-    validate(structure, trust_remote_code)
-    model_plan = plan(structure)
-    return model_plan, render(model_plan, emit_body(model_plan))
+    source -> match -> validate -> plan -> emit -> render.
+
+    The native layout (every part fused into vLLM's own layout) is tried first; where
+    it cannot be proven, the faithful layout emits every class from its source and
+    fuses the parts the patterns prove (layout="faithful" forces it)."""
+    source = load(name)
+    why = "requested with --faithful"
+    if layout != "faithful":
+        try:
+            structure = analyse(source)
+            validate(structure, trust_remote_code)
+            model_plan = plan(structure)
+            return model_plan, render(model_plan, emit_body(model_plan))
+        except CodemodError as exc:
+            if exc.final:
+                raise
+            why = str(exc).removeprefix("cannot generate: ")
+        except Exception as exc:  # a bug in the native tier must not cost the model
+            why = f"native analysis failed: {type(exc).__name__}: {exc}".splitlines()[0]
+        if layout == "native":
+            raise CodemodError(f"cannot generate the native layout: {why}")
+    model_plan, body = faithful.generate(source, trust_remote_code, why=why)
+    return model_plan, render(model_plan, body)
+
+
+def internal_error(exc: BaseException) -> str:
+    """One line for a toolkit bug, naming where it happened."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = next(
+        (f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames) if "codemods" in f.filename or "fusion_patterns" in f.filename),
+        "?",
+    )
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return (
+        f"internal error at {where}: {type(exc).__name__}: {text} "
+        "(a toolkit bug; CODEMODS_DEBUG=1 shows the traceback)"
+    )
 
 
 def output_path(model_plan: ModelPlan, out_dir: Path) -> Path:
-    return out_dir / f"{model_plan.structure.source.model_type}.py"
+    return out_dir / f"{model_plan.source.model_type}.py"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,14 +109,28 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="allow running a modeling file that is not part of the installed transformers (the proofs run it)",
     )
+    parser.add_argument(
+        "--faithful",
+        action="store_true",
+        help="emit every class from its source (no native layout); fusions still apply per part",
+    )
     args = parser.parse_args(argv)
     quiet_vllm_logging()
 
     try:
-        model_plan, text = generate(args.source, args.trust_remote_code)
+        model_plan, text = generate(
+            args.source,
+            args.trust_remote_code,
+            layout="faithful" if args.faithful else "auto",
+        )
     except CodemodError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Exception as exc:  # a toolkit bug: one line, never a half-written file
+        if os.environ.get("CODEMODS_DEBUG"):
+            raise
+        print(f"error: {internal_error(exc)}", file=sys.stderr)
+        return 2
     if not args.quiet:
         for line in model_plan.report():
             print(line, file=sys.stderr)

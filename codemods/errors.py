@@ -5,3 +5,10 @@ class CodemodError(Exception):
     """Input the toolkit cannot turn into a correct model; the message is one line."""
 
     exit_code = 2
+    # input no layout can serve (not a modeling file, remote code not trusted): the
+    # faithful layout is not tried
+    final = False
+
+
+class FinalError(CodemodError):
+    final = True

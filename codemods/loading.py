@@ -16,7 +16,7 @@ import importlib.util
 import sys
 import types
 
-from .errors import CodemodError
+from .errors import CodemodError, FinalError
 from .source import ModelSource, transformers_root
 
 
@@ -26,7 +26,7 @@ def load_module(
     if source.in_transformers:
         return importlib.import_module(source.import_name)
     if not trust_remote_code:
-        raise CodemodError(
+        raise FinalError(
             f"{source.display} is not part of the installed transformers; running it "
             "(to validate the fusions) needs --trust-remote-code"
         )
@@ -50,7 +50,7 @@ def load_module(
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise CodemodError(
+        raise FinalError(
             f"{source.display}: cannot be imported: {type(exc).__name__}: {exc}"
         ) from None
     return module

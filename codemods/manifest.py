@@ -24,12 +24,17 @@ def entry(model_plan: "ModelPlan") -> dict:
     for r in model_plan.records:
         key = f"{' + '.join(r.sources)} -> {r.target} ({r.vllm_class})"
         fusions.setdefault(r.source_class, Counter())[key] += 1
-    src = model_plan.structure.source
+    src = model_plan.source
     return {
         "source": src.display,
         "sha256": src.sha256,
         "fusions": {cls: dict(sorted(c.items())) for cls, c in sorted(fusions.items())},
         "refusals": [r.describe() for r in model_plan.refusals],
+        **(
+            {"unfused": [u.describe() for u in model_plan.unfused]}
+            if getattr(model_plan, "unfused", None)
+            else {}
+        ),
     }
 
 

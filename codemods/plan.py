@@ -19,6 +19,15 @@ from .structure import ModelStructure
 @dataclass
 class ModelPlan:
     structure: ModelStructure
+    layout = "native"
+
+    @property
+    def source(self):
+        return self.structure.source
+
+    @property
+    def causal_name(self) -> str:
+        return self.structure.causal.name
 
     @property
     def records(self) -> list[FusionRecord]:

