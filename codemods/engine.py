@@ -12,6 +12,8 @@ class EngineResult:
     tokens: list[list[int]]
     # per prompt: logprob of each actual next token, prompt positions 1.. then generated
     logprobs: list[list[float]]
+    # what vLLM logged about fusions while building the model (Transformers backend)
+    fused: list[str] = None
 
 
 def model_class_name(model) -> str:
@@ -92,6 +94,31 @@ def prompt_logits(
     return impl, logits
 
 
+class _FusedLines:
+    """Collects the `Fused: ...` lines vLLM's Transformers backend logs."""
+
+    def __enter__(self):
+        import logging
+
+        self.lines: list[str] = []
+        collector = self
+
+        class Handler(logging.Handler):
+            def emit(self, record):
+                text = record.getMessage()
+                if text.startswith(("Fused: ", "Found: ")) or "left unfused" in text:
+                    collector.lines.append(text)
+
+        self.handler = Handler()
+        self.logger = logging.getLogger("vllm")
+        self.logger.addHandler(self.handler)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+        return False
+
+
 def run(
     model_dir: str,
     arch: str,
@@ -100,12 +127,17 @@ def run(
     tp: int = 1,
     pp: int = 1,
     expert_parallel: bool = False,
+    model_impl: str | None = None,
 ) -> EngineResult:
     from vllm import SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
     extra = {"enable_expert_parallel": True} if expert_parallel else {}
-    llm = _llm(model_dir, arch, tp, pp, **extra)
+    if model_impl:
+        extra["model_impl"] = model_impl
+    with _FusedLines() as fused:
+        llm = _llm(model_dir, arch, tp, pp, **extra)
+    result_fused = fused.lines
     try:
         impls = set(llm.apply_model(model_class_name))
         params = SamplingParams(
@@ -134,4 +166,4 @@ def run(
         cleanup_dist_env_and_memory()
     if len(impls) != 1:
         raise RuntimeError(f"ranks ran different classes: {sorted(impls)}")
-    return EngineResult(impls.pop(), tokens, logprobs)
+    return EngineResult(impls.pop(), tokens, logprobs, result_fused)

@@ -55,6 +55,11 @@ NOT_FEATURES = {
     "is_decoder",
     "output_attentions",
     "output_router_logits",
+    # another kind of model: encoder-decoder or cross-attending decoders
+    "add_cross_attention",
+    "is_encoder_decoder",
+    "tie_encoder_decoder",
+    "cross_attention_hidden_size",
 }
 LAYER_PATTERN = (
     "full_attention",
@@ -108,6 +113,8 @@ def feature_values(config_cls) -> dict[str, object]:
             values[name] = 0.3
         elif name == "sliding_window":
             values[name] = WINDOW
+        elif "shared_expert" in name and default is None and _is(annotation, int):
+            values[name] = 1  # shared experts on
         elif name == "layer_types":
             values[name] = list(LAYER_PATTERN)
     return values
@@ -116,9 +123,19 @@ def feature_values(config_cls) -> dict[str, object]:
 def tiny_values(config_cls, overrides: dict | None = None) -> dict:
     """Config fields of the default tiny model: sizes, every feature on, then overrides."""
     fields = config_cls().to_dict()
-    values = {k: v for k, v in SIZES.items() if k in fields}
+    # sizes under the config's own field names (GPT-2's n_embd for hidden_size, ...)
+    alias = getattr(config_cls, "attribute_map", {}) or {}
+    values = {
+        alias.get(k, k): v for k, v in SIZES.items() if alias.get(k, k) in fields
+    }
     fit_latent_attention(values, fields)
     values.update(feature_values(config_cls))
+    # sub-configs (DBRX's attn_config / ffn_config): their features too
+    for name, sub_cls in (getattr(config_cls, "sub_configs", None) or {}).items():
+        if isinstance(sub_cls, type) and name in fields and isinstance(fields[name], dict):
+            sub = {k: v for k, v in feature_values(sub_cls).items()}
+            if sub:
+                values[name] = {**fields[name], **sub}
     if "layer_types" in values:
         values["num_hidden_layers"] = len(values["layer_types"])
     ids = {k: fields.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
@@ -126,6 +143,89 @@ def tiny_values(config_cls, overrides: dict | None = None) -> dict:
     values.update({k: v for k, v in ids.items() if v != fields.get(k)})
     values.update(overrides or {})
     return values
+
+
+def variants(config_cls, values: dict):
+    """The tiny values, then fallbacks for sources that constrain sizes or features, alone
+    or two at a time, then with one feature off as well: hidden size = heads * head size
+    (an output projection sized hidden x hidden), the head size a latent attention
+    derives, the class's own default layer types, a rope per layer type, a rope theta in
+    sub-configs the modeling code reads one from, and each feature off in turn (one the
+    config class rejects, or that makes the source fail as a decoder)."""
+    import itertools
+
+    fixes = []
+    heads, hd = values.get("num_attention_heads"), values.get("head_dim", HEAD_DIM)
+    if heads and "hidden_size" in values:
+        fixes.append(lambda v: v.update(hidden_size=heads * hd))
+    if "head_dim" in values and "qk_nope_head_dim" in values:
+        fixes.append(lambda v: v.pop("head_dim"))
+    if "layer_types" in values:
+        try:
+            kinds = list(dict.fromkeys(config_cls().layer_types or []))
+        except Exception:
+            kinds = []
+
+        def default_types(v):
+            if kinds:
+                v["layer_types"] = [kinds[i % len(kinds)] for i in range(4)]
+            else:
+                v.pop("layer_types", None)
+            v["num_hidden_layers"] = 4
+
+        def rope_per_type(v):
+            half = v.get("head_dim", HEAD_DIM) // 2
+            v["rope_parameters"] = {
+                kind: {
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    # multimodal rope sections must cover the rotary half
+                    "mrope_section": [half - 2 * (half // 3), half // 3, half // 3],
+                }
+                for kind in dict.fromkeys(v.get("layer_types") or [])
+            }
+
+        fixes += [default_types, rope_per_type]
+    subs = [
+        k for k, v in values.items() if isinstance(v, dict) and k != "rope_parameters"
+    ]
+    if subs:
+        fixes.append(
+            lambda v: v.update({k: dict(v[k], rope_theta=10000.0) for k in subs})
+        )
+    drops = [n for n in feature_values(config_cls) if n in values and n != "layer_types"]
+    combos = [()] + [(f,) for f in fixes] + list(itertools.combinations(fixes, 2))
+    for drop in [None, *drops]:
+        for combo in combos:
+            v = json.loads(json.dumps(values))
+            for fix in combo:
+                fix(v)
+            if drop is not None:
+                v.pop(drop, None)
+            yield v
+
+
+def working_values(causal_cls, overrides: dict | None = None) -> dict:
+    """The first of `variants` whose model builds and runs a forward in transformers
+    (the error of the plain tiny values when none does)."""
+    config_cls = causal_cls.config_class
+    base = tiny_values(config_cls, overrides)
+    first_error = None
+    for attempt, values in enumerate(variants(config_cls, base)):
+        if attempt >= 60:
+            break
+        values = {**values, **(overrides or {})}
+        try:
+            config = config_cls(**values)
+            config._attn_implementation = "eager"
+            torch.manual_seed(0)
+            model = causal_cls(config).float().eval()
+            with torch.no_grad():
+                model(input_ids=torch.arange(5)[None] % VOCAB, use_cache=False)
+            return values
+        except Exception as exc:  # noqa: BLE001 - the source's own failure
+            first_error = first_error or exc
+    raise first_error
 
 
 def fit_latent_attention(values: dict, fields: dict) -> None:

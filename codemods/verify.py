@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import sys
 import tempfile
@@ -120,6 +121,7 @@ def verify(
     trust_remote_code: bool = False,
     layout: str = "saved",
     expert_parallel: bool = False,
+    backend: bool = False,
 ) -> dict:
     """Verify a generated model, or a modeling file (generated into a temporary folder
     and compared against that same file's model)."""
@@ -131,6 +133,7 @@ def verify(
         trust_remote_code=trust_remote_code,
         layout=layout,
         expert_parallel=expert_parallel,
+        backend=backend,
     )
     path = resolve_target(target)
     if is_generated(path):
@@ -153,6 +156,7 @@ def _verify_generated(
     trust_remote_code,
     layout,
     expert_parallel,
+    backend=False,
 ) -> dict:
     from . import engine, reference, registration, tiny
 
@@ -168,7 +172,13 @@ def _verify_generated(
         adjusted = tiny.fit_parallel(raw, tp, pp)
         config = config_cls.from_dict(raw)
     else:
-        values = tiny.tiny_values(config_cls, overrides)
+        try:
+            values = tiny.working_values(causal_cls, overrides)
+        except Exception as exc:  # the source's own model fails: say so in one line
+            raise CodemodError(
+                f"cannot build a tiny {causal_name} from the source: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from None
         adjusted = tiny.fit_parallel(values, tp, pp)
         config = config_cls(**values)
     result = {
@@ -213,7 +223,52 @@ def _verify_generated(
             pp=pp,
             expert_parallel=expert_parallel,
         )
+        if backend:
+            result["backend"] = _backend(str(ckpt), causal_name, prompts, ref, tp, pp)
 
+    max_diff, tokens_equal = compare(prompts, ref, ran)
+    generated_ran = ran.impl.startswith(f"{expected_module}:")
+    result.update(
+        impl=ran.impl,
+        max_abs_logprob_diff=max_diff,
+        tokens_equal=tokens_equal,
+        ok=bool(generated_ran and tokens_equal and max_diff <= TOLERANCE),
+    )
+    if not generated_ran:
+        result["error"] = f"vLLM ran {ran.impl}, not the generated class"
+    return result
+
+
+BACKEND_MODULE = "vllm.model_executor.models.transformers"
+
+
+def _backend(ckpt: str, arch: str, prompts, ref, tp: int, pp: int) -> dict:
+    """vLLM's Transformers backend on the same checkpoint, for comparison."""
+    from . import engine
+
+    try:
+        ran = engine.run(
+            ckpt, arch, prompts, MAX_TOKENS, tp=tp, pp=pp, model_impl="transformers"
+        )
+    except Exception as exc:  # the backend cannot serve it: say why, in one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return {"ok": False, "error": f"{type(exc).__name__}: {first}"[:300]}
+    max_diff, tokens_equal = compare(prompts, ref, ran)
+    ran_backend = ran.impl.startswith(BACKEND_MODULE)
+    out = {
+        "impl": ran.impl,
+        "max_abs_logprob_diff": max_diff,
+        "tokens_equal": tokens_equal,
+        "ok": bool(ran_backend and tokens_equal and max_diff <= TOLERANCE),
+        "fused": ran.fused or [],
+    }
+    if not ran_backend:
+        out["error"] = f"vLLM ran {ran.impl}, not its Transformers backend"
+    return out
+
+
+def compare(prompts, ref, ran) -> tuple[float, bool]:
+    """(max |logprob difference| along the shared greedy path, greedy tokens equal)."""
     diffs, tokens_equal = [], True
     for prompt, (ref_tokens, ref_lp), tokens, lps in zip(
         prompts, ref, ran.tokens, ran.logprobs
@@ -230,17 +285,7 @@ def _verify_generated(
         )
         n = len(prompt) - 1 + same + (1 if same < len(tokens) else 0)
         diffs += [abs(a - b) for a, b in zip(want[:n], lps[:n])]
-    max_diff = max(diffs) if diffs else float("inf")
-    generated_ran = ran.impl.startswith(f"{expected_module}:")
-    result.update(
-        impl=ran.impl,
-        max_abs_logprob_diff=max_diff,
-        tokens_equal=tokens_equal,
-        ok=bool(generated_ran and tokens_equal and max_diff <= TOLERANCE),
-    )
-    if not generated_ran:
-        result["error"] = f"vLLM ran {ran.impl}, not the generated class"
-    return result
+    return (max(diffs) if diffs else float("inf")), tokens_equal
 
 
 def _safe_verify(target: str, **kwargs) -> tuple[int, dict]:
@@ -249,6 +294,8 @@ def _safe_verify(target: str, **kwargs) -> tuple[int, dict]:
     except CodemodError as exc:
         return 2, {"arch": target, "ok": False, "error": str(exc)}
     except Exception as exc:  # the engine could not build or run the model
+        if os.environ.get("CODEMODS_DEBUG"):
+            raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return 2, {
             "arch": target,
@@ -340,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
         "MoE tensors) or the model's in-memory state dict (stacked experts)",
     )
     parser.add_argument(
+        "--backend",
+        action="store_true",
+        help="also run vLLM's Transformers backend on the same checkpoint, for comparison",
+    )
+    parser.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="allow running a modeling file that is not part of the installed transformers",
@@ -361,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         "trust_remote_code": args.trust_remote_code,
         "layout": args.layout,
         "expert_parallel": args.ep,
+        "backend": args.backend,
     }
     targets = generated_models() if args.all else [args.target]
     results = [_safe_verify(t, **kwargs) for t in targets]

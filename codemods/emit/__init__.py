@@ -14,7 +14,7 @@ from . import attention, copied, mla, mlp, model, moe
 IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collections.abc", ("Iterable",)),
     ("copy", ("copy",)),
-    ("transformers.activations", ("ACT2FN",)),
+    ("transformers.activations", ("ACT2CLS", "ACT2FN")),
     ("transformers.core_model_loading", ("WeightRenaming",)),
     ("itertools", ("islice",)),
     ("torch", ("nn",)),

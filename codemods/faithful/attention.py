@@ -54,6 +54,14 @@ class AttentionSpec:
     # int attributes holding head counts, divided by the TP size when sharded
     head_attrs: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # a model's own attention core (eager_attention.py) instead of the interface call
+    eager: object = None
+    key_transposed: bool = False
+    out_layout: str = "heads"  # the core's output: [1, heads, tokens, d] or tokens first
+    out_dims: int = 4
+    container: str | None = None  # the helper method returns a list / tuple
+    arity: int = 1
+    alibi: str | None = None  # an expression for the ALiBi slopes
 
     def describe(self) -> str:
         extra = [
@@ -61,8 +69,15 @@ class AttentionSpec:
             *([f"window={self.window}"] if self.window else []),
             *([f"soft-cap={self.softcap}"] if self.softcap else []),
             *([f"sinks={self.sinks}"] if self.sinks else []),
+            *([f"alibi={self.alibi}"] if self.alibi else []),
         ]
-        return f"attention interface -> vLLM Attention ({', '.join(extra)})"
+        what = "its own attention core" if self.eager else "attention interface"
+        return f"{what} -> vLLM Attention ({', '.join(extra)})"
+
+
+def _atom(expr: str) -> str:
+    """`expr`, parenthesized unless it is a name or attribute."""
+    return expr if expr.replace(".", "").replace("_", "").isalnum() else f"({expr})"
 
 
 def _evaluate(text: str, env: dict):
@@ -77,6 +92,8 @@ _FAILED = object()
 
 def _env(call: AttentionCall, config, config_param: str | None, pymodule) -> dict:
     env = dict(vars(pymodule)) if pymodule is not None else {}
+    # the local variables its __init__ ended with (probe.init_locals)
+    env.update(getattr(call.module, "_codemods_init_locals", {}) or {})
     env["self"] = call.module
     if config_param:
         env[config_param] = config
@@ -149,6 +166,13 @@ def _int_candidates(info: ClassInfo, instance, config_param, preferred) -> list[
         return (2, 0)
 
     out = [f"self.{a}" for a in sorted(attrs, key=rank) if rank(a)[0] < 2]
+    local = getattr(instance, "_codemods_init_locals", {}) or {}
+    out += [
+        n
+        for n in sorted(local, key=rank)
+        if rank(n)[0] < 2 and isinstance(local[n], int) and not isinstance(local[n], bool)
+        and n != "self"
+    ]
     if config_param:
         out += [f"{config_param}.{n}" for n in preferred]
     return out
@@ -181,7 +205,7 @@ def window_of(mask, tokens: int) -> int | None | object:
     return _FAILED
 
 
-def reference(query, key, value, scale, window, softcap, sinks):
+def reference(query, key, value, scale, window, softcap, sinks, alibi=None):
     """What vLLM's `Attention` computes, written out: [1, H, S, D] -> [S, H * Dv]."""
     import torch
 
@@ -195,6 +219,9 @@ def reference(query, key, value, scale, window, softcap, sinks):
         logits = softcap * torch.tanh(logits / softcap)
     i = torch.arange(tokens)[:, None]
     j = torch.arange(tokens)[None, :]
+    if alibi is not None:  # vLLM adds slope * (key position - query position)
+        slopes = torch.as_tensor(alibi, dtype=torch.float32).reshape(heads, 1, 1)
+        logits = logits + slopes * (j - i)
     allowed = j <= i
     if window:
         allowed = allowed & (i - j < window)
@@ -296,7 +323,7 @@ def infer(
         c.kwargs.get(scale_kw) if scale_kw else None for c in calls
     ]
     if scale_kw is None or all(s is None for s in scales):
-        scale_expr = f"{size_expr} ** -0.5"
+        scale_expr = f"{_atom(size_expr)} ** -0.5"
         scales = [s ** -0.5 for s in size]
     else:
         if any(isinstance(s, torch.Tensor) for s in scales):
@@ -328,6 +355,12 @@ def infer(
     if any(w is not None for w in windows):
         candidates = [kw_exprs[k] for k in WINDOW_KWARGS if k in kw_exprs]
         candidates += [f"self.{a}" for a in info.attrs if "window" in a]
+        # a window the source applies only through the mask it builds from the config
+        fields = [k for k in vars(config) if "window" in k and not k.startswith("_")]
+        if config_param:
+            candidates += [f"{config_param}.{k}" for k in fields]
+        if getattr(inst, "config", None) is config:
+            candidates += [f"self.config.{k}" for k in fields]
         window_expr = _expression_for(candidates, windows, envs)
         if window_expr is None:
             raise CodemodError(

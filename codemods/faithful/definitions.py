@@ -111,7 +111,18 @@ def collect(source: ModelSource) -> Definitions:
 
 def free_names(text: str) -> set[str]:
     """Names `text` reads that nothing in it defines (builtins excluded)."""
-    wrapper = MetadataWrapper(cst.parse_module(text))
+    try:
+        module = cst.parse_module(text)
+    except cst.ParserSyntaxError as exc:  # an emitter bug: keep the text to look at
+        import tempfile
+
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False, prefix="faithful-") as f:
+            f.write(text)
+        raise CodemodError(
+            f"internal error: emitted code does not parse ({exc.message.splitlines()[0]} "
+            f"at line {exc.raw_line}; the text is in {f.name})"
+        ) from None
+    wrapper = MetadataWrapper(module)
     scopes = wrapper.resolve(ScopeProvider)
     free = set()
     for scope in set(scopes.values()):

@@ -24,7 +24,7 @@ from ..emit import moe as moe_emit
 from ..errors import CodemodError
 from ..source import ModelSource
 from ..structure import class_infos
-from . import attention, definitions, probe, weights
+from . import attention, definitions, eager_attention, probe, weights
 from .model import BaseRoles, CausalRoles, emit_base, emit_causal, mask_functions
 from .rewrite import (
     LINEARS,
@@ -36,6 +36,28 @@ from .rewrite import (
 )
 
 LAYOUT = "faithful"
+
+WRAPPER = """
+class {name}(nn.Module):
+    # a pass-through around the module holding the layers, as in the source
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.config = vllm_config.model_config.hf_config
+        self.{attr} = {inner}(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "{attr}"))
+        self.make_empty_intermediate_tensors = self.{attr}.make_empty_intermediate_tensors
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.{attr}.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.{attr}(input_ids, positions, intermediate_tensors, inputs_embeds)
+"""
 
 
 @dataclass
@@ -104,7 +126,7 @@ def pick_causal(pymodule, classes: dict[str, ClassInfo], source: ModelSource):
         if not (name.endswith("ForCausalLM") or name.endswith("LMHeadModel")):
             continue
         config_cls = getattr(obj, "config_class", None)
-        if config_cls is None or getattr(config_cls, "sub_configs", None):
+        if config_cls is None or _multimodal(config_cls):
             continue
         found.append((name not in mapped, name, obj))
     if not found:
@@ -112,6 +134,15 @@ def pick_causal(pymodule, classes: dict[str, ClassInfo], source: ModelSource):
             f"{source.display}: no text causal LM class (…ForCausalLM / …LMHeadModel) found"
         )
     return sorted(found, key=lambda t: (t[0], classes_order(classes, t[1])))[0][2]
+
+
+def _multimodal(config_cls) -> bool:
+    """A config that wraps a text config (a vision-language model's) is not a text decoder."""
+    try:
+        config = config_cls()
+        return config.get_text_config() is not config
+    except Exception:
+        return bool(getattr(config_cls, "sub_configs", None))
 
 
 def classes_order(classes, name) -> int:
@@ -122,7 +153,7 @@ def _build_tiny(causal_cls):
     import torch
 
     try:
-        config = tiny.tiny_config(causal_cls.config_class)
+        config = causal_cls.config_class(**tiny.working_values(causal_cls))
         config._attn_implementation = "eager"
         torch.manual_seed(0)
         model = causal_cls(config).float().eval()
@@ -177,37 +208,53 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
     classes = class_infos(source.module)
     defs = definitions.collect(source)
     causal_cls = pick_causal(pymodule, classes, source)
-    config, model = _build_tiny(causal_cls)
+    # attention classes keep their __init__ locals while the tiny model is built
+    candidates = [
+        info
+        for info in classes.values()
+        if info.forward is not None
+        and (probe.interface_call(info.forward) or eager_attention.find(info))
+    ]
+    with probe.init_locals(pymodule, candidates):
+        config, model = _build_tiny(causal_cls)
     if getattr(config, "is_encoder_decoder", False):
         raise CodemodError(
             f"out of scope: {causal_cls.__name__} is an encoder-decoder model (vLLM serves decoders)"
         )
 
-    # roles, from the instance
+    # roles, from the instance: the module holding the layer list is the base model
+    # (vLLM's interface, pipeline stages); PreTrainedModels between it and the causal LM
+    # (OPT's OPTModel around its OPTDecoder) are pass-through wrappers
     causal = classes[causal_cls.__name__]
-    base_attr, base_mod = None, None
-    for attr, child in model.named_children():
-        if isinstance(child, PreTrainedModel):
-            base_attr, base_mod = attr, child
-            break
-    if base_attr is None:
-        raise CodemodError(f"cannot generate: {causal.name} builds no base model")
-    base = classes.get(type(base_mod).__name__)
-    if base is None:
-        raise CodemodError(
-            f"cannot generate: {causal.name}'s base model {type(base_mod).__name__} is not defined in {source.display}"
-        )
     n_layers = getattr(config, "num_hidden_layers", None)
     lists = [
-        (attr, child)
-        for attr, child in base_mod.named_children()
-        if isinstance(child, nn.ModuleList) and len(child) == n_layers
+        (path, mod)
+        for path, mod in model.named_modules()
+        if isinstance(mod, nn.ModuleList) and len(mod) == n_layers and path.count(".") >= 1
     ]
     if len(lists) != 1:
         raise CodemodError(
-            f"cannot generate: {base.name} holds {len(lists)} lists of {n_layers} layers, expected one"
+            f"cannot generate: {causal.name} holds {len(lists)} lists of {n_layers} layers, expected one"
         )
-    layers_attr, layer_list = lists[0]
+    layers_path, layer_list = lists[0]
+    chain = layers_path.split(".")[:-1]
+    layers_attr = layers_path.split(".")[-1]
+    base_attr = chain[0]
+    base_mod = model.get_submodule(".".join(chain))
+    wrappers = [
+        (chain[i + 1], model.get_submodule(".".join(chain[: i + 1])))
+        for i in range(len(chain) - 1)
+    ]
+    base = classes.get(type(base_mod).__name__)
+    if base is None or not isinstance(base_mod, PreTrainedModel):
+        raise CodemodError(
+            f"cannot generate: the layers' owner {type(base_mod).__name__} is not a model class of {source.display}"
+        )
+    for _, wrapper in wrappers:
+        if type(wrapper).__name__ not in classes:
+            raise CodemodError(
+                f"cannot generate: {type(wrapper).__name__} is not defined in {source.display}"
+            )
     layer_classes = list(dict.fromkeys(type(x).__name__ for x in layer_list))
     layers_value = base.attrs.get(layers_attr)
     comp = m.findall(layers_value, m.ListComp()) if layers_value is not None else []
@@ -229,8 +276,17 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
         if classes[n].forward is not None and probe.interface_call(classes[n].forward)
     }
     in_layers = {type(x).__name__ for layer in layer_list for x in layer.modules()}
+    # a model's own attention (no interface): its core, found in the source
+    eager_cores = {
+        n: core
+        for n in wanted
+        if n not in attention_infos
+        and n in in_layers
+        and (core := eager_attention.find(classes[n])) is not None
+    }
+    attention_like = set(attention_infos) | set(eager_cores)
     for i, layer in enumerate(layer_list):
-        if not any(type(x).__name__ in attention_infos for x in layer.modules()):
+        if not any(type(x).__name__ in attention_like for x in layer.modules()):
             raise CodemodError(
                 f"out of scope: layer {i} ({type(layer).__name__}) has no attention-interface "
                 "call (a mixer vLLM's Transformers backend cannot serve either)"
@@ -240,12 +296,28 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
             raise CodemodError(
                 f"out of scope: layer {i} holds a convolution ({convs[0]}), a mixer that is not attention"
             )
-    pr = probe.run(pymodule, model, config, attention_infos, config.vocab_size)
+    records: dict[str, list] = {n: [] for n in eager_cores}
+    patches = [
+        eager_attention.instrumented(pymodule, getattr(pymodule, n), core, classes[n], records[n])
+        for n, core in eager_cores.items()
+    ]
+    try:
+        pr = probe.run(pymodule, model, config, attention_infos, config.vocab_size, patches)
+    except CodemodError:
+        raise
+    except Exception as exc:
+        raise CodemodError(
+            f"cannot run a tiny {causal.name} from the source: {type(exc).__name__}: {_first_line(exc)}"
+        ) from None
     specs = {
         n: attention.infer(info, pr.calls_of(n), config, pymodule)
         for n, info in attention_infos.items()
         if n in in_layers
     }
+    for n, core in eager_cores.items():
+        specs[n] = eager_attention.infer(
+            classes[n], core, records[n], config, pymodule, probe.PROBE_TOKENS
+        )
 
     plan = FaithfulPlan(source=source, causal_name=causal.name, why_faithful=why)
     if why:
@@ -332,11 +404,16 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
     styles = _tp_styles(config, model, base_attr, classes)
     sharded = {n for n in specs if any(s.startswith("colwise") for s in styles.get(n, {}).values())}
     fused_names = set(fused_mlp)
+    _WRAPPERS.clear()
+    _WRAPPERS.update(type(w).__name__ for _, w in wrappers)
     emitted = [n for n in wanted if n not in norms and not _is_pretrained_helper(n, classes, pymodule, causal.name, base.name)]
+    vocab_attr = _vocab_embedding(base_mod, config)
+    vocab_class = type(_get(base_mod, vocab_attr)).__name__
+    rebased = {vocab_class} if vocab_class in classes else set()
     ctx = Context(
         classes=classes,
         norms=norms,
-        prefix_classes=prefix_classes(classes, set(emitted), fused_names, specs),
+        prefix_classes=prefix_classes(classes, set(emitted), fused_names, specs) | rebased,
         attention=specs,
         styles=styles,
         kept_linears=kept_linears(source.module, classes),
@@ -344,7 +421,6 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
     )
     ctx.mask_functions = mask_functions(defs.imports)
 
-    vocab_attr = _vocab_embedding(base_mod, config)
     head_attr = _head(causal, model, config)
     tied_keys = getattr(causal_cls, "_tied_weights_keys", None) or {}
     tied_embedding = None
@@ -353,9 +429,12 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
             if k.split(".")[0] == head_attr:
                 tied_embedding = v.rsplit(".", 1)[0]
     elif tied_keys:
-        tied_embedding = f"{base_attr}.{vocab_attr}"
+        tied_embedding = ".".join([*chain, vocab_attr])
 
     placement = _placement(base, base_mod, layers_attr)
+    top = vocab_attr.split(".")[0]
+    if tied_embedding is not None and placement.get(top) == "first":
+        placement[top] = "first+tied"
     base_roles = BaseRoles(
         info=base,
         embed_attr=vocab_attr,
@@ -372,7 +451,7 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
     causal_roles = CausalRoles(
         info=causal,
         model_attr=base_attr,
-        base_name=base.name,
+        base_name=type(getattr(model, base_attr)).__name__,
         head_attr=head_attr,
         head_bias=code(bias) != "False",
         vocab=linear_args(head_call)[1],
@@ -386,8 +465,9 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
     )
 
     pieces: dict[str, str] = {}
+    wrapper_names = {type(w).__name__ for _, w in wrappers}
     for n in emitted:
-        if n in (causal.name, base.name):
+        if n in (causal.name, base.name) or n in wrapper_names:
             continue
         info = classes[n]
         if n in fused_mlp:
@@ -397,10 +477,24 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
             else:
                 pieces[n] = mlp_emit.emit(info, spec)
             continue
-        rebase = "VocabParallelEmbedding" if _is_vocab_embedding_class(n, base_mod, vocab_attr) else None
+        rebase = "VocabParallelEmbedding" if n in rebased else None
         pieces[n] = rewrite_class(info, ctx, base=rebase)
         plan.unfused.append(_unfused_line(n, info, specs, classes, plan.refusals, layer_classes))
     pieces[base.name] = emit_base(base_roles, ctx)
+    for inner_attr, wrapper in wrappers:
+        inner = type(getattr(wrapper, inner_attr)).__name__
+        extra = [
+            a
+            for a, child in wrapper.named_children()
+            if a != inner_attr and any(True for _ in child.parameters())
+        ]
+        if extra:
+            raise CodemodError(
+                f"cannot generate: {type(wrapper).__name__} holds {extra[0]} besides its {inner_attr}"
+            )
+        pieces[type(wrapper).__name__] = WRAPPER.format(
+            name=type(wrapper).__name__, attr=inner_attr, inner=inner
+        )
     renames, stacking = weights.conversions(causal_cls, config.model_type)
     mapper, layout_methods, weights_arg = weights.loader_code(renames, stacking, plan.stacked_params())
     pieces[causal.name] = emit_causal(
@@ -408,10 +502,20 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
     )
     order = list(classes)
     body_classes = "\n\n".join(pieces[n] for n in sorted(pieces, key=order.index))
-    helper = VLLM_ATTENTION_HELPER if specs else ""
+    helper = VLLM_ATTENTION_HELPER if any(sp.eager is None for sp in specs.values()) else ""
+    if any(sp.eager is not None for sp in specs.values()):
+        helper += eager_attention.HELPER
+    for name, text in eager_attention.ALIBI_HELPERS.items():
+        if any(sp.alibi and f"{name}(" in sp.alibi for sp in specs.values()):
+            helper += text
     body = helper + "\n\n" + body_classes
     head = imports_for(body)
-    copied, imports = definitions.closure(defs, head + body, set(pieces) | {"vllm_attention"})
+    copied, imports = definitions.closure(
+        defs,
+        head + body,
+        set(pieces)
+        | {"vllm_attention", "vllm_attention_heads", *eager_attention.ALIBI_HELPERS},
+    )
     copied_text = definitions.copied_text(defs, copied)
     # definitions in source order among the classes (constants may name classes)
     blocks = []
@@ -421,6 +525,9 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
     extra_imports = "\n".join(i for i in imports if not _provided(i, head))
     text = head + ("\n" + extra_imports + "\n" if extra_imports else "") + "\n\n" + body
     return plan, text
+
+
+_WRAPPERS: set[str] = set()
 
 
 def order_all(defs, copied: list[str], pieces: dict[str, str]) -> list[str]:
@@ -439,14 +546,24 @@ def _is_pretrained_helper(name, classes, pymodule, causal, base) -> bool:
 
     if name in (causal, base):
         return False
+    if name in _WRAPPERS:
+        return False
     obj = getattr(pymodule, name, None)
     return isinstance(obj, type) and issubclass(obj, PreTrainedModel)
 
 
+def _get(module, path: str):
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
 def _vocab_embedding(base_mod, config) -> str:
+    """The vocabulary embedding's path below the base model (a direct child, or inside
+    an embeddings module)."""
     import torch.nn as nn
 
-    for attr, child in base_mod.named_children():
+    for attr, child in base_mod.named_modules():
         if isinstance(child, nn.Embedding) and child.num_embeddings == config.vocab_size:
             return attr
     raise CodemodError(

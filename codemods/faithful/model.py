@@ -14,6 +14,7 @@ the head handed to vLLM's `LogitsProcessor` (which gathers the vocabulary shards
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -22,7 +23,7 @@ import libcst.matchers as m
 from fusion_patterns.base import ClassInfo, code, dotted_name, linear_args
 
 from ..errors import CodemodError
-from .rewrite import Context, _InitRewrite, _join_blocks, inference_folded
+from .rewrite import Context, _InitRewrite, _join_blocks, bind_unfolded, inference_folded
 from .simplify import INFERENCE_PARAMS, Fold, loads, simplify_function, stores
 
 # the masks: vLLM's attention applies the causal mask and windows itself
@@ -75,9 +76,14 @@ def _rank_guard(lines: list[str], placement: str, tied: bool) -> list[str]:
         "last": "get_pp_group().is_last_rank",
         "first+tied": "get_pp_group().is_first_rank or (config.tie_word_embeddings and get_pp_group().is_last_rank)",
     }[placement]
+    comments = []
+    while lines and lines[0].lstrip().startswith("#"):
+        comments.append(lines[0].strip())
+        lines = lines[1:]
     attr = lines[0].split("=", 1)[0].strip()
     return (
-        [f"if {cond}:"]
+        comments
+        + [f"if {cond}:"]
         + ["    " + line for line in lines]
         + ["else:", f"    {attr} = PPMissingLayer()"]
     )
@@ -101,6 +107,9 @@ def emit_base(roles: BaseRoles, ctx: Context) -> str:
         f"[{keys}], config.hidden_size)"
     )
     init = "\n".join("        " + line for line in _flatten(body))
+    helpers = "\n".join(
+        textwrap.indent(code(h), "    ") for h in _helper_methods(info, forward)
+    )
     return f"""
 @support_torch_compile
 class {info.name}(nn.Module):
@@ -111,7 +120,27 @@ class {info.name}(nn.Module):
         return self.{roles.embed_attr}(input_ids)
 
 {forward}
-"""
+{helpers}"""
+
+
+def _helper_methods(info: ClassInfo, forward_text: str) -> list[cst.FunctionDef]:
+    """The class's own methods its forward calls (`self.build_alibi(...)`), copied."""
+    from .definitions import strip_decorators
+
+    methods = {
+        s.name.value: s
+        for s in info.node.body.body
+        if isinstance(s, cst.FunctionDef)
+        and s.name.value not in ("__init__", "forward")
+    }
+    wanted, pending = [], [forward_text]
+    while pending:
+        text = pending.pop()
+        for name, func in methods.items():
+            if name not in wanted and f"self.{name}(" in text:
+                wanted.append(name)
+                pending.append(code(func))
+    return [inference_folded(strip_decorators(methods[n])) for n in methods if n in wanted]
 
 
 def _flatten(lines: list[str]) -> list[str]:
@@ -315,11 +344,20 @@ def _base_forward(roles: BaseRoles, ctx: Context) -> tuple[str, list[str]]:
     func = inference_folded(func)
     if func.params.star_kwarg is not None:
         # the source's **kwargs (transformers' extra outputs): nothing under vLLM
-        func = func.with_changes(
-            body=func.body.visit(_NoStarKwargs(func.params.star_kwarg.name.value))
-        )
+        star = func.params.star_kwarg.name.value
+        func = func.with_changes(body=func.body.visit(_NoStarKwargs(star)))
+        func = bind_unfolded(func, {star: "{}"})
     known = {"attention_mask": "None"} if "attention_mask" in params else {}
-    func = simplify_function(func, known, not_none)
+    # the source's other inputs (token type ids, ...) are never given under vLLM
+    provided = {"input_ids", "inputs_embeds", "position_ids", "cache_position", "self"}
+    defaults = {
+        p.name.value: INFERENCE_PARAMS.get(p.name.value)
+        or (code(p.default) if p.default is not None else "None")
+        for p in func.params.params
+        if p.name.value not in provided and p.name.value not in known
+    }
+    func = simplify_function(func, {**known, **defaults}, not_none)
+    func = bind_unfolded(func, {**known, **defaults})
     stmts = [
         s
         for s in func.body.body
@@ -597,9 +635,9 @@ def _compute_logits(roles: CausalRoles) -> str:
     logits processor (the vocabulary gathered over the TP ranks)."""
     func = roles.info.forward
     stmts = list(func.body.body)
-    model_call = m.Call(
-        func=m.Attribute(value=m.Name("self"), attr=m.Name(roles.model_attr))
-    )
+    self_model = m.Attribute(value=m.Name("self"), attr=m.Name(roles.model_attr))
+    # self.model(...), or self.model.decoder(...) past a wrapper (OPT)
+    model_call = m.Call(func=self_model | m.Attribute(value=self_model))
     at = next(
         (i for i, s in enumerate(stmts) if m.findall(s, model_call)), None
     )

@@ -10,6 +10,7 @@ module's namespace for one forward, so every layer is seen in one pass.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import libcst.matchers as m
 from fusion_patterns.base import ClassInfo, code
 
 PROBE_TOKENS = 16  # longer than the tiny sliding window, so windows show in the masks
+PROBE_IMPL = "codemods_probe"
 
 
 @dataclass
@@ -108,6 +110,7 @@ def run(
     config,
     attention_classes: dict[str, ClassInfo],
     vocab: int,
+    patches=(),
 ) -> Probe:
     """One forward of `model` with every attention class's eager function wrapped."""
     import torch
@@ -122,60 +125,117 @@ def run(
         for name, value in vars(pymodule).items()
         if isinstance(value, types.FunctionType)
     }
-    wrapped: dict[str, object] = {}
-    for info in attention_classes.values():
+    eager: dict[str, object] = {}
+    for name, info in attention_classes.items():
         if info.forward is None:
             continue
-        for name in eager_functions(info.forward, functions):
-            wrapped[name] = getattr(pymodule, name)
+        found = sorted(eager_functions(info.forward, functions))
+        if found:
+            eager[name] = getattr(pymodule, found[0])
+    if not eager:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        default = sdpa_attention_forward
+    else:
+        default = next(iter(eager.values()))
 
     seen: set[int] = set()
 
-    def wrap(original):
-        signature = inspect.signature(original)
-
-        def recording(module, query, key, value, attention_mask, *args, **kwargs):
-            out = original(module, query, key, value, attention_mask, *args, **kwargs)
-            if id(module) not in seen:
-                # positional extras (a scaling passed by position) by their names
-                bound = signature.bind_partial(
-                    module, query, key, value, attention_mask, *args, **kwargs
-                ).arguments
-                named = dict(list(bound.items())[5:])
-                named.update(named.pop("kwargs", {}) or {})
-                seen.add(id(module))
-                probe.calls.append(
-                    AttentionCall(
-                        module=module,
-                        path=paths.get(id(module), ""),
-                        query=query.detach().clone(),
-                        key=key.detach().clone(),
-                        value=value.detach().clone(),
-                        mask=None
-                        if attention_mask is None
-                        else attention_mask.detach().clone(),
-                        kwargs={k: _detach(v) for k, v in named.items()},
-                        output=(out[0] if isinstance(out, tuple) else out)
-                        .detach()
-                        .clone(),
-                    )
+    def recording(module, query, key, value, attention_mask, *args, **kwargs):
+        original = eager.get(type(module).__name__, default)
+        out = original(module, query, key, value, attention_mask, *args, **kwargs)
+        if id(module) not in seen:
+            seen.add(id(module))
+            # positional extras (a scaling passed by position) by their names
+            bound = inspect.signature(original).bind_partial(
+                module, query, key, value, attention_mask, *args, **kwargs
+            ).arguments
+            named = dict(list(bound.items())[5:])
+            for extra in [k for k, v in named.items() if isinstance(v, dict)]:
+                named.update(named.pop(extra))
+            probe.calls.append(
+                AttentionCall(
+                    module=module,
+                    path=paths.get(id(module), ""),
+                    query=query.detach().clone(),
+                    key=key.detach().clone(),
+                    value=value.detach().clone(),
+                    mask=None
+                    if attention_mask is None
+                    else attention_mask.detach().clone(),
+                    kwargs={k: _detach(v) for k, v in named.items()},
+                    output=(out[0] if isinstance(out, tuple) else out).detach().clone(),
                 )
-            return out
+            )
+        return out
 
-        return recording
+    # the probe runs the copy's own branches: an attention implementation that is none
+    # of transformers' (as under vLLM), with eager masks so every layer's window shows
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    for name, original in wrapped.items():
-        setattr(pymodule, name, wrap(original))
+    ALL_ATTENTION_FUNCTIONS.register(PROBE_IMPL, recording)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE_IMPL, eager_mask)
+    configs = {id(mod.config): mod.config for mod in model.modules() if hasattr(mod, "config") and hasattr(mod.config, "_attn_implementation")}
+    saved = {k: c._attn_implementation for k, c in configs.items()}
     try:
-        with torch.no_grad():
+        for c in configs.values():
+            c._attn_implementation = PROBE_IMPL
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
             ids = torch.randint(
                 0, vocab, (1, PROBE_TOKENS), generator=torch.Generator().manual_seed(3)
             )
             model(input_ids=ids, use_cache=False)
     finally:
-        for name, original in wrapped.items():
-            setattr(pymodule, name, original)
+        for k, c in configs.items():
+            c._attn_implementation = saved[k]
     return probe
+
+
+LOCALS_ATTR = "_codemods_init_locals"
+
+
+@contextlib.contextmanager
+def init_locals(pymodule, infos: list[ClassInfo]):
+    """While the tiny model is built, each of these classes' `__init__` keeps its final
+    local variables (the numbers it computed but did not store, like a per-layer kv head
+    count): the faithful attention is built at the end of that same `__init__`, so they
+    are valid expressions there."""
+    import textwrap
+
+    originals = {}
+    for info in infos:
+        cls = getattr(pymodule, info.name, None)
+        if info.init is None or cls is None:
+            continue
+
+        class _Super(cst.CSTTransformer):
+            def leave_Call(self, original, updated):
+                if m.matches(updated, m.Call(func=m.Name("super"), args=[])):
+                    return cst.parse_expression(f"super({info.name}, self)")
+                return updated
+
+        func = info.init.with_changes(decorators=[]).visit(_Super())
+        keep = cst.parse_statement(
+            f"self.__dict__['{LOCALS_ATTR}'] = {{k: v for k, v in locals().items() "
+            "if isinstance(v, (int, float, bool, str)) or v is None}\n"
+        )
+        body = func.body.with_changes(body=[*func.body.body, keep])
+        func = func.with_changes(body=body)
+        namespace = dict(vars(pymodule))
+        try:
+            exec(textwrap.dedent(code(func)), namespace)  # noqa: S102 - the source's code
+        except SyntaxError:
+            continue
+        originals[cls] = cls.__init__
+        cls.__init__ = namespace["__init__"]
+    try:
+        yield
+    finally:
+        for cls, init in originals.items():
+            cls.__init__ = init
 
 
 def _detach(value):

@@ -24,11 +24,13 @@ from fusion_patterns.rms_norm import NormSpec
 from ..emit.common import norm_construction
 from ..errors import CodemodError
 from .attention import AttentionSpec
+from .eager_attention import CoreRewrite
 from .definitions import strip_decorators
 from .probe import interface_name
 from .simplify import INFERENCE_PARAMS, simplify_function
 
 LINEARS = ("nn.Linear", "torch.nn.Linear")
+EMBEDDINGS = ("nn.Embedding", "torch.nn.Embedding")
 # transformers bases that are plain modules at inference
 PLAIN_BASES = {"GradientCheckpointingLayer", "nn.Module", "torch.nn.Module"}
 # TP plan style -> (vLLM class, extra keyword arguments)
@@ -120,9 +122,20 @@ def _is_pretrained(node: cst.ClassDef, classes) -> bool:
 def builds_vllm_layers(info: ClassInfo, ctx_norms, fused: set[str], attention) -> bool:
     if info.name in fused or info.name in attention:
         return True
-    return bool(info.init and m.findall(info.init, m.Call(func=_LINEAR_FUNC)))
+    return bool(
+        info.init
+        and (
+            m.findall(info.init, m.Call(func=_LINEAR_FUNC))
+            or any(
+                "vocab_size" in code(c.args[0].value)
+                for c in m.findall(info.init, m.Call(func=_EMBEDDING_FUNC))
+                if c.args
+            )
+        )
+    )
 
 
+_EMBEDDING_FUNC = m.Attribute(value=m.Name("nn"), attr=m.Name("Embedding"))
 _LINEAR_FUNC = m.Attribute(value=m.Name("nn"), attr=m.Name("Linear")) | m.Attribute(
     value=m.Attribute(value=m.Name("torch"), attr=m.Name("nn")), attr=m.Name("Linear")
 )
@@ -184,12 +197,32 @@ def clean_signature(func: cst.FunctionDef, drop: set[str]) -> cst.FunctionDef:
 
 
 def inference_folded(func: cst.FunctionDef) -> cst.FunctionDef:
-    """Remove the parameters that carry nothing under vLLM and fold their values in."""
+    """Fold the values of the parameters that carry nothing under vLLM into the body.
+
+    The parameters stay in the signature (callers may pass them by position); calls no
+    longer pass them by keyword, since every copied function folds its own."""
     names = {p.name.value for p in m.findall(func.params, m.Param())}
     known = {k: v for k, v in INFERENCE_PARAMS.items() if k in names}
-    func = clean_signature(func, set(known))
+    func = clean_signature(func, set())
     func = func.with_changes(body=func.body.visit(_DropInferenceKwargs()))
     return simplify_function(func, known)
+
+
+def bind_unfolded(func: cst.FunctionDef, values: dict[str, str]) -> cst.FunctionDef:
+    """A removed parameter still read (the function rebinds it on some path) starts
+    as the value it always has."""
+    from .simplify import loads
+
+    read = set(loads(func.body))
+    lines = [f"{k} = {v}" for k, v in values.items() if k in read]
+    if not lines:
+        return func
+    stmts = [cst.parse_statement(line + "\n") for line in lines]
+    body = list(func.body.body)
+    at = 1 if body and _is_docstring(body[0]) else 0
+    return func.with_changes(
+        body=func.body.with_changes(body=[*body[:at], *stmts, *body[at:]])
+    )
 
 
 class _DropInferenceKwargs(cst.CSTTransformer):
@@ -291,6 +324,16 @@ class _InitRewrite(cst.CSTTransformer):
             return updated
         if func in LINEARS:
             return self._linear(updated, path)
+        if func in EMBEDDINGS and path is not None:
+            args = [a.value for a in updated.args if a.keyword is None]
+            kw = {a.keyword.value: a.value for a in updated.args if a.keyword}
+            num = args[0] if args else kw.get("num_embeddings")
+            dim = args[1] if len(args) > 1 else kw.get("embedding_dim")
+            if num is not None and dim is not None and "vocab_size" in code(num):
+                return cst.parse_expression(
+                    f"VocabParallelEmbedding({code(num)}, {code(dim)}, "
+                    f'quant_config=quant_config, prefix=f"{{prefix}}.{path}")'
+                )
         if func in self.ctx.norms:
             return cst.parse_expression(
                 norm_construction(self.ctx.norms[func], updated)
@@ -341,6 +384,26 @@ def _holds_attention(cls: str, ctx: Context) -> bool:
     return bool(built & set(ctx.attention)) or any(
         _holds_attention(b, ctx) for b in built if b in ctx.classes and b != cls
     )
+
+
+class _EmbeddingSuper(cst.CSTTransformer):
+    """`super().__init__(num, dim, padding_idx)` of an `nn.Embedding` subclass rebased on
+    `VocabParallelEmbedding`: the vocabulary and size, sharded like vLLM's own."""
+
+    def leave_Call(self, original, updated: cst.Call):
+        if not m.matches(
+            updated,
+            m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__"))),
+        ):
+            return updated
+        pos = [a for a in updated.args if a.keyword is None][:2]
+        kw = {a.keyword.value: a for a in updated.args if a.keyword is not None}
+        args = [a.with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT) for a in pos]
+        for name in ("num_embeddings", "embedding_dim")[len(pos) :]:
+            args.append(kw[name].with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT))
+        extra = cst.parse_expression("f(quant_config=quant_config, prefix=prefix)").args
+        args = [a.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))) for a in args]
+        return updated.with_changes(args=[*args, *extra])
 
 
 class _SuperInit(cst.CSTTransformer):
@@ -395,6 +458,12 @@ def _attention_init_lines(spec: AttentionSpec, sharded: bool) -> list[str]:
         args.append(f"logits_soft_cap={spec.softcap}")
     if spec.sinks:
         args.append(f"sinks={spec.sinks}")
+    if spec.alibi:
+        slopes = spec.alibi
+        if sharded:  # this rank's heads' slopes
+            rank = "get_tensor_model_parallel_rank()"
+            slopes = f"{slopes}[{rank} * ({heads}) : ({rank} + 1) * ({heads})]"
+        args.append(f"alibi_slopes={slopes}")
     args.append(f'prefix=f"{{prefix}}.{spec.attr}"')
     lines.append(f"self.{spec.attr} = Attention({', '.join(args)})")
     return lines
@@ -482,13 +551,23 @@ def rewrite_class(info: ClassInfo, ctx: Context, base: str | None = None) -> str
         if isinstance(stmt, cst.FunctionDef):
             stmt = strip_decorators(stmt)
             if stmt.name.value == "__init__":
-                stmt = _rewrite_init(stmt, info, ctx, plain_base, spec)
+                stmt = _rewrite_init(
+                    stmt, info, ctx, plain_base, spec, base == "VocabParallelEmbedding"
+                )
             else:
                 if spec is not None and stmt.name.value == "forward":
-                    name = interface_name(info.forward)
-                    stmt = stmt.visit(_InterfaceCall(name, spec.attr))
+                    if spec.eager is not None:
+                        stmt = stmt.visit(CoreRewrite(spec))
+                    else:
+                        name = interface_name(info.forward)
+                        stmt = stmt.visit(_InterfaceCall(name, spec.attr))
                 stmt = inference_folded(stmt)
         body.append(stmt)
+    if spec is not None and spec.eager is not None and spec.eager.kind == "method":
+        # the replaced attention helper, if nothing else calls it
+        others = cst.Module(body=[s for s in body if not _defines(s, spec.eager.method)])
+        if not m.findall(others, m.Attribute(value=m.Name("self"), attr=m.Name(spec.eager.method))):
+            body = [s for s in body if not _defines(s, spec.eager.method)]
     node = node.with_changes(
         bases=bases,
         body=node.body.with_changes(body=body),
@@ -498,12 +577,17 @@ def rewrite_class(info: ClassInfo, ctx: Context, base: str | None = None) -> str
     return code(node)
 
 
+def _defines(stmt, name: str) -> bool:
+    return isinstance(stmt, cst.FunctionDef) and stmt.name.value == name
+
+
 def _rewrite_init(
     func: cst.FunctionDef,
     info: ClassInfo,
     ctx: Context,
     plain_base: bool,
     spec: AttentionSpec | None,
+    rebased_embedding: bool = False,
 ) -> cst.FunctionDef:
     func = clean_signature(func, set())
     if info.name in ctx.prefix_classes:
@@ -511,6 +595,8 @@ def _rewrite_init(
     body = func.body.visit(_InitRewrite(info, ctx))
     if plain_base:
         body = body.visit(_SuperInit())
+    elif rebased_embedding:
+        body = body.visit(_EmbeddingSuper())
     if spec is not None:
         lines = _attention_init_lines(spec, info.name in ctx.sharded_attention)
         block = cst.parse_statement(

@@ -113,7 +113,16 @@ class Fold(cst.CSTTransformer):
             return cst.parse_expression(ATTN_IMPLEMENTATION)
         return updated
 
+    def leave_Subscript(self, original, updated: cst.Subscript):
+        # an indexed mask that is now None (`mask[:, :, :n]`)
+        if m.matches(updated.value, m.Name("None")):
+            return _NONE
+        return updated
+
     def leave_Call(self, original: cst.Call, updated: cst.Call):
+        # a method of a folded None (`None.to(torch.bool)`): the mask it stood for is gone
+        if m.matches(updated.func, m.Attribute(value=m.Name("None"))):
+            return _NONE
         if isinstance(updated.func, cst.Name) and updated.func.value in CALL_FACTS:
             return cst.parse_expression(CALL_FACTS[updated.func.value])
         # isinstance(0, int): a folded `logits_to_keep`
@@ -268,6 +277,26 @@ def _pure(node: cst.BaseExpression) -> bool:
     return isinstance(node, _PURE) and not m.findall(node, m.Call())
 
 
+def _rebound(body: cst.CSTNode) -> set[str]:
+    """Names assigned in `body` from an expression that does not read them
+    (`x = x if x is not None else default` keeps x's meaning; `x = torch.ones(...)` does not)."""
+    out = set()
+    for assign in m.findall(body, m.Assign() | m.AnnAssign() | m.AugAssign()):
+        name = _single_name(assign) if not isinstance(assign, cst.AugAssign) else None
+        if isinstance(assign, cst.AugAssign) and isinstance(assign.target, cst.Name):
+            out.add(assign.target.value)
+            continue
+        if name is None:
+            if isinstance(assign, cst.Assign):
+                out |= stores(cst.SimpleStatementLine([assign]))
+            continue
+        if assign.value is None or not m.findall(assign.value, m.Name(name)):
+            out.add(name)
+    for loop in m.findall(body, m.For() | m.CompFor()):
+        out |= {n.value for n in m.findall(loop.target, m.Name())}
+    return out
+
+
 class _DropDead(cst.CSTTransformer):
     def __init__(self, dead: set[str]):
         self.dead = dead
@@ -356,7 +385,12 @@ def simplify_function(
     params = {p.name.value for p in m.findall(func.params, m.Param())}
     for _ in range(8):
         before = func
-        func = func.visit(Fold(known, not_none))
+        # a known name the function rebinds to something else is not known after that
+        # (`if attention_mask is None: attention_mask = torch.ones(...)`)
+        rebound = _rebound(func.body)
+        func = func.visit(
+            Fold({k: v for k, v in (known or {}).items() if k not in rebound}, not_none)
+        )
         body = func.body
         # single-assignment literals
         counts: dict[str, int] = {}

@@ -120,7 +120,7 @@ def loader_code(
     for s in stacking:
         for j, src in enumerate(s.sources):
             rules.append(
-                f"        (re.compile(r{_glob_regex(src)!r}), {s.target!r}, {j}, {len(s.sources)}),"
+                f'        (re.compile(r"{_glob_regex(src)}"), {s.target!r}, {j}, {len(s.sources)}),'
             )
     methods = STACK_METHOD.format(rules="\n".join(rules))
     return mapper, methods, "stacked"
