@@ -452,6 +452,15 @@ def prove(
     neox: bool,
     proven_norms: set[str],
 ) -> None:
+    prove_dataflow(spec, module)
+    _prove_numbers(
+        spec, module, call_kwargs, config, rope_parameters, neox, proven_norms
+    )
+
+
+def prove_dataflow(spec: QKVSpec, module) -> None:
+    """q, k and v read one graph node nothing mutates; the attention call's query, key
+    and value come from q, k and v; the output projection reads only the attention."""
     from .dataflow import mutated_in_place, single_call, trace, upstream_linears
 
     graph = trace(module)
@@ -479,9 +488,33 @@ def prove(
         raise PatternRefused(
             f"{spec.out_proj} reads something besides the attention output"
         )
-    _prove_numbers(
-        spec, module, call_kwargs, config, rope_parameters, neox, proven_norms
+
+
+def prove_merged_gemm(spec: QKVSpec, module, config) -> None:
+    """The merged projection, split by the head counts the spec reads, gives exactly
+    the three projections (the faithful attention keeps everything after them)."""
+    import torch
+    import torch.nn.functional as F
+
+    from .dataflow import require_close
+
+    head_dim = getattr(module, spec.head_dim_attr)
+    env = {"config": config, "self": module}
+    heads, kv_heads = (
+        eval(code(e), env) for e in (spec.num_heads, spec.num_kv_heads)  # noqa: S307
     )
+    projs = [getattr(module, p) for p in spec.projections]
+    weight = torch.cat([p.weight for p in projs])
+    bias = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
+    if weight.shape[0] != (heads + 2 * kv_heads) * head_dim:
+        raise PatternRefused("the projections' sizes do not match their head counts")
+    x = torch.randn(5, projs[0].in_features, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        parts = F.linear(x, weight, bias).split(
+            [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1
+        )
+        for part, proj, role in zip(parts, projs, "qkv"):
+            require_close(part, proj(x), f"{role} from the merged GEMM")
 
 
 def reorder_interleaved(t, heads: int):

@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     rows: list[dict] = []
     start = time.time()
+    partial = Path(tempfile.gettempdir()) / "coverage.partial.json"
     for i, name in enumerate(sorted(files), 1):
         t0 = time.time()
         cmd = [sys.executable, __file__, "--one", name]
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             row = {"file": name, "status": "bug", "reason": f"timed out after {args.timeout} s"}
         rows.append(row)
+        partial.write_text(json.dumps(rows, indent=1))
         print(
             f"[{i}/{len(files)}] {name}: {row['status']}"
             + (f" ({row.get('reason', '')[:120]})" if row["status"] not in ("verified",) else "")

@@ -51,6 +51,8 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("vllm.model_executor.layers.quantization", ("QuantizationConfig",)),
     ("vllm.model_executor.layers.rotary_embedding", ("get_rope",)),
+    ("vllm.model_executor.model_loader.weight_utils", ("sharded_weight_loader",)),
+    ("vllm.model_executor.utils", ("set_weight_attrs",)),
     (
         "vllm.model_executor.layers.vocab_parallel_embedding",
         ("ParallelLMHead", "VocabParallelEmbedding"),

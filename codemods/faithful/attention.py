@@ -53,6 +53,7 @@ class AttentionSpec:
     attr: str = "attn"  # the vLLM Attention's attribute on the module
     # int attributes holding head counts, divided by the TP size when sharded
     head_attrs: list[str] = field(default_factory=list)
+    kv_head_attrs: list[str] = field(default_factory=list)  # the kv ones among them
     notes: list[str] = field(default_factory=list)
     # a model's own attention core (eager_attention.py) instead of the interface call
     eager: object = None
@@ -62,6 +63,8 @@ class AttentionSpec:
     container: str | None = None  # the helper method returns a list / tuple
     arity: int = 1
     alibi: str | None = None  # an expression for the ALiBi slopes
+    # q/k/v proven to merge (fusion_patterns.qkv): one QKVParallelLinear
+    qkv: object = None
 
     def describe(self) -> str:
         extra = [
@@ -420,17 +423,8 @@ def infer(
                 f"function by {err / ref:.2e} (relative)"
             )
 
-    head_attrs = [
-        a
-        for a in info.attrs
-        if f"self.{a}" in (heads_expr, kv_expr)
-        or (
-            isinstance(getattr(inst, a, None), int)
-            and getattr(inst, a) in (heads[0], kv[0])
-            and "head" in a
-            and not any(s in a for s in ("dim", "size"))
-        )
-    ]
+    q_attrs, kv_attrs = head_count_attrs(info, inst, heads_expr, kv_expr, heads[0], kv[0])
+    head_attrs = q_attrs + kv_attrs
     attr = "attn" if "attn" not in info.attrs else "vllm_attn"
     return AttentionSpec(
         class_name=info.name,
@@ -444,5 +438,24 @@ def infer(
         sinks=sinks_expr,
         attr=attr,
         head_attrs=head_attrs,
+        kv_head_attrs=kv_attrs,
         notes=notes,
     )
+
+
+def head_count_attrs(info, inst, heads_expr, kv_expr, heads: int, kv: int):
+    """(attributes holding the query head count, the kv head count): the ones the
+    source's reshapes may count heads with, fitted to a rank's share under TP."""
+    q_attrs, kv_attrs = [], []
+    for a in info.attrs:
+        value = getattr(inst, a, None)
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        named = "head" in a and not any(s in a for s in ("dim", "size"))
+        if f"self.{a}" == kv_expr and kv != heads:
+            kv_attrs.append(a)
+        elif f"self.{a}" == heads_expr or (named and value == heads):
+            q_attrs.append(a)
+        elif named and value == kv:
+            kv_attrs.append(a)
+    return q_attrs, kv_attrs

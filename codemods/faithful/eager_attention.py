@@ -384,11 +384,10 @@ def infer(info: ClassInfo, core: EagerCore, records: list[dict], config, pymodul
     spec.out_dims = cases[0][6]
     spec.container = records[0].get("container")
     spec.arity = records[0].get("arity", 1)
-    spec.head_attrs = [
-        a
-        for a in info.attrs
-        if f"self.{a}" in (heads_expr, kv_expr)
-    ]
+    from .attention import head_count_attrs
+
+    q_attrs, kv_attrs = head_count_attrs(info, inst, heads_expr, kv_expr, heads[0], kv[0])
+    spec.head_attrs, spec.kv_head_attrs = q_attrs + kv_attrs, kv_attrs
     return spec
 
 

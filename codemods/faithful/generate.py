@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import libcst as cst
 import libcst.matchers as m
 
-from fusion_patterns import glu, moe, rms_norm
+from fusion_patterns import glu, moe, qkv, rms_norm
 from fusion_patterns.base import ClassInfo, FusionRecord, PatternRefused, Refusal, code, dotted_name, linear_args
 
 from .. import loading, tiny
@@ -23,8 +23,8 @@ from ..emit import mlp as mlp_emit
 from ..emit import moe as moe_emit
 from ..errors import CodemodError
 from ..source import ModelSource
-from ..structure import class_infos
-from . import attention, definitions, eager_attention, probe, weights
+from ..structure import TORCH_NORMS, class_infos
+from . import attention, definitions, eager_attention, probe, tp, weights
 from .model import BaseRoles, CausalRoles, emit_base, emit_causal, mask_functions
 from .rewrite import (
     LINEARS,
@@ -301,8 +301,18 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
         eager_attention.instrumented(pymodule, getattr(pymodule, n), core, classes[n], records[n])
         for n, core in eager_cores.items()
     ]
+    # TP: transformers' own plan of the config class, per class attribute
+    styles = _tp_styles(config, model, base_attr, classes)
     try:
-        pr = probe.run(pymodule, model, config, attention_infos, config.vocab_size, patches)
+        pr = probe.run(
+            pymodule,
+            model,
+            config,
+            attention_infos,
+            config.vocab_size,
+            patches,
+            set(styles) | set(attention_infos),
+        )
     except CodemodError:
         raise
     except Exception as exc:
@@ -400,9 +410,61 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
             plan.records += found
             plan._scoped += [(r, scope) for r in found if r.stacks_weights]
 
-    # TP: transformers' own plan of the config class, per class attribute
-    styles = _tp_styles(config, model, base_attr, classes)
-    sharded = {n for n in specs if any(s.startswith("colwise") for s in styles.get(n, {}).values())}
+    # q/k/v the QKV pattern proves merge into one QKVParallelLinear, which shards by
+    # heads: the class must then shard (its plan, or q/k/v column- and the output
+    # row-parallel where it has none), proven like any plan below
+    qkv_specs: dict[str, qkv.QKVSpec] = {}
+    if fuse:
+        norm_like = {n for n, i in classes.items() if rms_norm.match(i) is not None}
+        head_norms = {**{n: None for n in norm_like | TORCH_NORMS}, **norms}
+        kept = kept_linears(source.module, classes)
+        for n, spec in specs.items():
+            if spec.eager is not None:
+                continue
+            found = qkv.match(classes[n], head_norms)
+            if not isinstance(found, qkv.QKVSpec):
+                if isinstance(found, Refusal):
+                    plan.refusals.append(found)
+                continue
+            if found.packed or set(found.projections) & kept:
+                continue
+            try:
+                qkv.prove_dataflow(found, pr.first(n))
+                qkv.prove_merged_gemm(found, pr.first(n), config)
+            except PatternRefused as exc:
+                plan.refusals.append(Refusal(qkv.NAME, n, "q/k/v projections", str(exc)))
+                continue
+            except Exception as exc:  # a proof that cannot run is a refusal
+                plan.refusals.append(
+                    Refusal(qkv.NAME, n, "q/k/v projections", f"proof failed to run: {type(exc).__name__}: {_first_line(exc)}")
+                )
+                continue
+            if not styles.get(n):
+                styles[n] = {**{p: "colwise" for p in found.projections}, found.out_proj: "rowwise"}
+            qkv_specs[n] = found
+    # ... kept for a class only where sharding it over two simulated ranks is proven
+    tp_notes: list[Unfused] = []
+    for n in list(styles):
+        inst = pr.first(n)
+        spec = specs.get(n)
+        why = tp.prove(
+            inst,
+            styles[n],
+            spec.head_attrs if spec else [],
+            pr.module_calls.get(id(inst)),
+            spec.sinks if spec else None,
+        ) if inst is not None else "no instance in the tiny model"
+        if why is not None:
+            del styles[n]
+            tp_notes.append(Unfused(n, "tensor parallel", f"replicated: {why}"))
+    sharded = {n for n in specs if any(s == "colwise" for s in styles.get(n, {}).values())}
+    for n, found in qkv_specs.items():
+        if n in sharded and all(styles[n].get(p) == "colwise" for p in found.projections):
+            specs[n].qkv = found
+            for scope in scopes.get(n, [""]):
+                rec = qkv.records(found, scope, set())[0]
+                plan.records.append(rec)
+                plan._scoped.append((rec, scope))
     fused_names = set(fused_mlp)
     _WRAPPERS.clear()
     _WRAPPERS.update(type(w).__name__ for _, w in wrappers)
@@ -480,6 +542,7 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
         rebase = "VocabParallelEmbedding" if n in rebased else None
         pieces[n] = rewrite_class(info, ctx, base=rebase)
         plan.unfused.append(_unfused_line(n, info, specs, classes, plan.refusals, layer_classes))
+    plan.unfused += tp_notes
     pieces[base.name] = emit_base(base_roles, ctx)
     for inner_attr, wrapper in wrappers:
         inner = type(getattr(wrapper, inner_attr)).__name__

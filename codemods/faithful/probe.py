@@ -43,6 +43,8 @@ class Probe:
     # class name -> [(module path in the causal LM, instance)]
     instances: dict[str, list[tuple[str, object]]] = field(default_factory=dict)
     calls: list[AttentionCall] = field(default_factory=list)
+    # id(module) -> (args, kwargs, output) of its first call, for the classes asked for
+    module_calls: dict[int, tuple] = field(default_factory=dict)
 
     def first(self, cls: str):
         found = self.instances.get(cls)
@@ -111,6 +113,7 @@ def run(
     attention_classes: dict[str, ClassInfo],
     vocab: int,
     patches=(),
+    recorded: set[str] = frozenset(),
 ) -> Probe:
     """One forward of `model` with every attention class's eager function wrapped."""
     import torch
@@ -174,6 +177,21 @@ def run(
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    def hook(module, args, kwargs, output):
+        if id(module) not in probe.module_calls:
+            import copy
+
+            probe.module_calls[id(module)] = (
+                copy.deepcopy(args),
+                copy.deepcopy({k: v for k, v in kwargs.items() if k != "past_key_values"}),
+                _detach(output[0] if isinstance(output, (tuple, list)) else output),
+            )
+
+    handles = [
+        mod.register_forward_hook(hook, with_kwargs=True)
+        for mod in model.modules()
+        if type(mod).__name__ in recorded
+    ]
     ALL_ATTENTION_FUNCTIONS.register(PROBE_IMPL, recording)
     ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE_IMPL, eager_mask)
     configs = {id(mod.config): mod.config for mod in model.modules() if hasattr(mod, "config") and hasattr(mod.config, "_attn_implementation")}
@@ -191,6 +209,8 @@ def run(
     finally:
         for k, c in configs.items():
             c._attn_implementation = saved[k]
+        for handle in handles:
+            handle.remove()
     return probe
 
 

@@ -423,11 +423,22 @@ class _SuperInit(cst.CSTTransformer):
 def _attention_init_lines(spec: AttentionSpec, sharded: bool) -> list[str]:
     heads, kv = spec.heads, spec.kv_heads
     lines = []
-    if sharded:
+    if spec.qkv is not None:
+        merged = spec.qkv.merged
+        # this rank's heads, as the merged projection holds them
+        heads, kv = f"self.{merged}.num_heads", f"self.{merged}.num_kv_heads"
+        fitted = [
+            f"self.{a} = {kv if a in spec.kv_head_attrs else heads}" for a in spec.head_attrs
+        ]
+        if fitted:
+            lines += ["# the source's reshapes count this rank's heads", *fitted]
+    elif sharded:
         lines += [
             "# tensor parallel: q/k/v are column-parallel, so this rank holds its share",
             "# of the heads (the source's reshapes count heads per rank)",
             "tp_size = get_tensor_model_parallel_world_size()",
+            f"assert ({spec.kv_heads}) % tp_size == 0, "
+            '"the kv heads must divide over the tensor-parallel ranks"',
         ]
         for attr in spec.head_attrs:
             lines.append(f"self.{attr} = self.{attr} // tp_size")
@@ -435,6 +446,14 @@ def _attention_init_lines(spec: AttentionSpec, sharded: bool) -> list[str]:
             heads = f"{heads} // tp_size"
         if not kv.startswith("self.") or kv[5:] not in spec.head_attrs:
             kv = f"{kv} // tp_size"
+    if spec.sinks and (sharded or spec.qkv is not None):
+        name = spec.sinks
+        lines += [
+            "# the sinks of this rank's heads, loaded from their slice of the checkpoint's",
+            f"if {name} is not None:",
+            f"    {name} = nn.Parameter(torch.empty({heads}), requires_grad=False)",
+            f'    set_weight_attrs({name}, {{"weight_loader": sharded_weight_loader(0)}})',
+        ]
     window = spec.window or "None"
     lines += [
         "# vLLM's paged attention serves this module's attention-interface call",
@@ -556,6 +575,8 @@ def rewrite_class(info: ClassInfo, ctx: Context, base: str | None = None) -> str
                 )
             else:
                 if spec is not None and stmt.name.value == "forward":
+                    if spec.qkv is not None:
+                        stmt = stmt.visit(QKVFusion(spec.qkv, fused_names(stmt)))
                     if spec.eager is not None:
                         stmt = stmt.visit(CoreRewrite(spec))
                     else:
@@ -592,7 +613,10 @@ def _rewrite_init(
     func = clean_signature(func, set())
     if info.name in ctx.prefix_classes:
         func = _extras_params(func)
-    body = func.body.visit(_InitRewrite(info, ctx))
+    body = func.body
+    if spec is not None and spec.qkv is not None:
+        body = body.visit(QKVFusion(spec.qkv, ("", "", "", "")))
+    body = body.visit(_InitRewrite(info, ctx))
     if plain_base:
         body = body.visit(_SuperInit())
     elif rebased_embedding:
@@ -623,3 +647,96 @@ def _is_docstring(stmt) -> bool:
     return m.matches(
         stmt, m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())])
     )
+
+
+# --- q/k/v fused inside a faithful attention ---------------------------------------
+
+
+class QKVFusion(cst.CSTTransformer):
+    """A faithful attention whose q/k/v projections the QKV pattern proves: the three
+    `nn.Linear` become one `QKVParallelLinear` (each rank its own heads of q, k and v,
+    k and v replicated when there are fewer kv heads than ranks), and the three calls
+    one GEMM split in three; everything around them stays as the source has it."""
+
+    def __init__(self, spec, names: tuple[str, str, str, str]):
+        self.spec = spec
+        self.q, self.k, self.v = spec.projections
+        self.qkv_name, self.parts = names[0], names[1:]
+        self.done = False
+
+    # __init__: the projections
+    def leave_SimpleStatementLine(self, original, updated):
+        if len(updated.body) != 1 or not m.matches(
+            updated.body[0],
+            m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))]),
+        ):
+            return updated
+        attr = updated.body[0].targets[0].target.attr.value
+        if attr in (self.k, self.v):
+            return cst.RemoveFromParent()
+        if attr != self.q:
+            return updated
+        s = self.spec
+        hd = f"self.{s.head_dim_attr}"
+        lines = [
+            f"# Fused: {self.q} + {self.k} + {self.v} -> {s.merged}. Each rank holds its own heads",
+            "# of q, k and v; with fewer kv heads than ranks, k and v are replicated.",
+            f"self.{s.merged} = QKVParallelLinear({code(s.hidden_size)}, {hd}, {code(s.num_heads)}, "
+            f"{code(s.num_kv_heads)}, bias={code(s.bias)}, quant_config=quant_config, "
+            f'prefix=f"{{prefix}}.{s.merged}")',
+            f"self.q_size = self.{s.merged}.num_heads * {hd}",
+            f"self.kv_size = self.{s.merged}.num_kv_heads * {hd}",
+        ]
+        block = cst.parse_statement(
+            "if True:\n" + "\n".join("    " + line for line in lines) + "\n"
+        )
+        return cst.FlattenSentinel(list(block.body.body))
+
+    # forward: the calls
+    def leave_IndentedBlock(self, original, updated):
+        calls = {
+            p: m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(p)))
+            for p in self.spec.projections
+        }
+        body = list(updated.body)
+        first = next(
+            (
+                i
+                for i, stmt in enumerate(body)
+                if any(m.findall(stmt, c) for c in calls.values())
+            ),
+            None,
+        )
+        if first is None or self.done:
+            return updated
+        found = [m.findall(cst.Module(body=body), c) for c in calls.values()]
+        if any(len(f) != 1 for f in found):
+            return updated
+        arg = code(found[0][0].args[0].value)
+        q, k, v = self.parts
+        split = cst.parse_statement(
+            f"{q}, {k}, {v} = self.{self.spec.merged}({arg})[0].split("
+            "[self.q_size, self.kv_size, self.kv_size], dim=-1)\n"
+        )
+        names = dict(zip(self.spec.projections, self.parts))
+
+        class _Swap(cst.CSTTransformer):
+            def leave_Call(self, original, updated):
+                for p, c in calls.items():
+                    if m.matches(updated, c):
+                        return cst.Name(names[p])
+                return updated
+
+        self.done = True
+        body = [s.visit(_Swap()) for s in body]
+        return updated.with_changes(body=[*body[:first], split, *body[first:]])
+
+
+def fused_names(forward: cst.FunctionDef) -> tuple[str, str, str, str]:
+    """Local names for the merged projection's parts that the forward does not use."""
+    used = {n.value for n in m.findall(forward, m.Name())}
+    for suffix in ("", "_", "_fused"):
+        names = tuple(f"{n}{suffix}" for n in ("qkv", "q", "k", "v"))
+        if not set(names) & used:
+            return names
+    return ("qkv_fused", "q_fused", "k_fused", "v_fused")
