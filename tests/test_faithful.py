@@ -1,0 +1,133 @@
+"""The faithful tier, engine-free: what the copy folds and keeps, what the probes read
+from real sources, and where it refuses."""
+
+from __future__ import annotations
+
+import textwrap
+
+import libcst as cst
+import pytest
+
+from conftest import edited_modeling_file, run_cli
+
+from codemods.faithful.simplify import simplify_function
+
+
+def _fold(src: str, known=None, not_none=frozenset()) -> str:
+    func = cst.parse_module(textwrap.dedent(src)).body[0]
+    return cst.Module(body=[simplify_function(func, known, not_none)]).code
+
+
+def test_inference_facts_fold_the_cache_and_training_paths_away():
+    out = _fold(
+        """
+        def forward(self, x, past_key_values=None, use_cache=False):
+            if past_key_values is not None:
+                x = past_key_values.update(x)
+            use_cache = use_cache if use_cache is not None else self.config.use_cache
+            if use_cache and self.training:
+                raise ValueError("no")
+            y = self.drop(x) if self.training else x
+            return y
+        """,
+        {"past_key_values": "None", "use_cache": "False"},
+    )
+    assert "past_key_values.update" not in out
+    assert "raise" not in out
+    assert "y = x" in out
+
+
+def test_a_known_name_the_function_rebinds_is_not_folded():
+    # bloom: `attention_mask = torch.ones(...)` when none is given; its later reads keep it
+    out = _fold(
+        """
+        def forward(self, attention_mask=None):
+            if attention_mask is None:
+                attention_mask = torch.ones(3)
+            return build(attention_mask)
+        """,
+        {"attention_mask": "None"},
+    )
+    assert "build(attention_mask)" in out
+
+
+def test_folded_masks_and_their_methods_become_none():
+    out = _fold(
+        """
+        def forward(self, x):
+            mask = None.to(torch.bool)
+            sub = mask[:, :3]
+            return self.layer(x, mask=sub)
+        """
+    )
+    assert "self.layer(x, mask=None)" in out
+
+
+def test_known_not_none_names_decide_their_tests():
+    out = _fold(
+        """
+        def forward(self, position_ids):
+            if position_ids is None:
+                position_ids = torch.arange(3)
+            return position_ids
+        """,
+        not_none={"position_ids"},
+    )
+    assert "arange" not in out
+
+
+@pytest.fixture(scope="module")
+def faithful_llama(tmp_path_factory):
+    out = tmp_path_factory.mktemp("faithful")
+    result = run_cli("codemods.apply", "modeling_llama.py", "--faithful", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    return result.stderr, (out / "llama.py").read_text()
+
+
+def test_faithful_llama_keeps_the_source_and_fuses_the_proven_parts(faithful_llama):
+    report, text = faithful_llama
+    # fused where proven, per part
+    for line in (
+        "Fused: q_proj + k_proj + v_proj (LlamaAttention) -> qkv_proj (QKVParallelLinear)",
+        "Fused: gate_proj + up_proj (LlamaMLP) -> gate_up_proj (MergedColumnParallelLinear)",
+        "Fused: input_layernorm (LlamaDecoderLayer) -> input_layernorm (RMSNorm)",
+    ):
+        assert line in report
+    # the rest as the source computes it, reported
+    assert "Unfused: attention (LlamaAttention)" in report
+    assert "Unfused: native layout (LlamaForCausalLM): requested with --faithful" in report
+    # the source's rotary code, its attention call handed to vLLM
+    assert "class LlamaRotaryEmbedding(nn.Module):" in text
+    assert "def apply_rotary_pos_emb(" in text
+    assert "vllm_attention(self.attn, query_states, key_states, value_states)" in text
+    assert "ALL_ATTENTION_FUNCTIONS" not in text
+    assert "past_key_values.update" not in text and "DynamicCache" not in text
+    # transformers' plumbing gone
+    for gone in ("GradientCheckpointingLayer", "@auto_docstring", "create_causal_mask"):
+        assert gone not in text
+
+
+def test_an_attention_that_counts_all_heads_in_a_reshape_is_replicated(tmp_path):
+    """`view(bsz, q_len, config.num_attention_heads, -1)` holds only unsharded: the
+    simulated two-rank run fails, so the class is replicated (and says why)."""
+    path = edited_modeling_file(
+        tmp_path,
+        "modeling_llama.py",
+        "attn_output = attn_output.reshape(*input_shape, -1).contiguous()",
+        "attn_output = attn_output.reshape(*input_shape, self.config.num_attention_heads * self.head_dim).contiguous()",
+    )
+    result = run_cli(
+        "codemods.apply", str(path), "--faithful", "--trust-remote-code", "--out", str(tmp_path / "out")
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Unfused: tensor parallel (LlamaAttention): replicated: sharded over 2 ranks it fails" in result.stderr
+    text = (tmp_path / "out" / "llama.py").read_text()
+    assert "QKVParallelLinear(" not in text  # the merged projection would shard it
+    assert "ReplicatedLinear(" in text
+
+
+def test_a_non_attention_mixer_is_out_of_scope_in_one_line():
+    result = run_cli("codemods.apply", "modeling_mamba.py", "--out", "/tmp/never-written")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "Traceback" not in result.stderr
