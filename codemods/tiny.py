@@ -111,7 +111,9 @@ def feature_values(config_cls) -> dict[str, object]:
             values[name] = 0.6 if "multiplier" in name else 2.5
         elif name.startswith("clip_") and _is(annotation, float):
             values[name] = 0.3
-        elif name == "sliding_window":
+        elif name in ("sliding_window", "window_size") and (
+            default is None or isinstance(default, int)
+        ):
             values[name] = WINDOW
         elif "shared_expert" in name and default is None and _is(annotation, int):
             values[name] = 1  # shared experts on
@@ -163,6 +165,18 @@ def variants(config_cls, values: dict):
     if "head_dim" in values:
         # a head size the source's own defaults assume (rope sections sized for 128)
         fixes.append(lambda v: v.update(head_dim=128))
+    layers_field = next(
+        (k for k in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") if k in values),
+        None,
+    )
+    if layers_field:
+        # as many layers as the class's own default (GPT-Neo's attention_types say 24)
+        try:
+            default_layers = getattr(config_cls(), layers_field)
+        except Exception:
+            default_layers = None
+        if isinstance(default_layers, int) and default_layers != values[layers_field]:
+            fixes.append(lambda v: v.update({layers_field: default_layers}))
     if "layer_types" in values:
         try:
             kinds = list(dict.fromkeys(config_cls().layer_types or []))
@@ -202,6 +216,25 @@ def variants(config_cls, values: dict):
             yield v
 
 
+def _same_under_sdpa(model, config, ids, eager) -> None:
+    """A feature under which the source's own eager and sdpa attention disagree (Falcon's
+    ALiBi is added twice on its eager path) is not one transformers serves consistently:
+    raise, so the next variant (with a feature off) is tried."""
+    if not getattr(type(model), "_supports_sdpa", False):
+        return
+    try:
+        config._attn_implementation = "sdpa"
+        with torch.no_grad():
+            sdpa = model(input_ids=ids, use_cache=False).logits
+    except Exception:  # noqa: BLE001 - no sdpa path: nothing to compare
+        return
+    finally:
+        config._attn_implementation = "eager"
+    scale = eager.abs().max().item() or 1.0
+    if (sdpa - eager).abs().max().item() / scale > 1e-4:
+        raise ValueError("the source's eager and sdpa attention disagree")
+
+
 def working_values(causal_cls, overrides: dict | None = None) -> dict:
     """The first of `variants` whose model builds and runs a forward in transformers
     (the error of the plain tiny values when none does)."""
@@ -217,8 +250,10 @@ def working_values(causal_cls, overrides: dict | None = None) -> dict:
             config._attn_implementation = "eager"
             torch.manual_seed(0)
             model = causal_cls(config).float().eval()
+            ids = (torch.arange(7)[None] * 37) % VOCAB
             with torch.no_grad():
-                model(input_ids=torch.arange(5)[None] % VOCAB, use_cache=False)
+                eager = model(input_ids=ids, use_cache=False).logits
+            _same_under_sdpa(model, config, ids, eager)
             return values
         except Exception as exc:  # noqa: BLE001 - the source's own failure
             first_error = first_error or exc

@@ -97,16 +97,25 @@ def _base_name(expr) -> str | None:
 
 
 @dataclass
+class Region:
+    """Statements of forward from the scores' matmul to the output's (inclusive)."""
+
+    start: cst.BaseStatement
+    end: cst.BaseStatement
+    q: str
+    k: str
+    v: str
+    out: str
+
+
+@dataclass
 class EagerCore:
     kind: str  # "method": a helper called from forward; "inline": statements in forward
     method: str | None = None
-    # inline: the statement block path and the region's statements
-    start: cst.BaseStatement | None = None
-    end: cst.BaseStatement | None = None
-    q: str = ""
-    k: str = ""
-    v: str = ""
-    out: str = ""
+    # inline: every attention core in forward (one per branch, as Falcon's alibi/rope)
+    regions: list = None
+    # the regions the tiny model ran (index into regions), set by the probe
+    ran: set = None
 
 
 def find(info: ClassInfo) -> EagerCore | None:
@@ -124,25 +133,32 @@ def find(info: ClassInfo) -> EagerCore | None:
             m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(name))),
         ):
             return EagerCore(kind="method", method=name)
-    found = _inline(info.forward.body)
-    return found
+    regions = _inline(info.forward.body)
+    return EagerCore(kind="inline", regions=regions, ran=set()) if regions else None
 
 
-def _inline(block) -> EagerCore | None:
+def _blocks(stmt) -> list:
+    """The statement blocks directly inside an if/elif/else, for or with."""
+    out = [stmt.body]
+    orelse = getattr(stmt, "orelse", None)
+    while isinstance(orelse, cst.If):
+        out.append(orelse.body)
+        orelse = orelse.orelse
+    if isinstance(orelse, cst.Else):
+        out.append(orelse.body)
+    return out
+
+
+def _inline(block) -> list:
     stmts = list(block.body) if hasattr(block, "body") else []
+    found: list = []
     for i, stmt in enumerate(stmts):
         if isinstance(stmt, cst.If) or isinstance(stmt, (cst.For, cst.With)):
-            inner = [stmt.body] + (
-                [stmt.orelse.body]
-                if isinstance(stmt, cst.If) and isinstance(stmt.orelse, cst.Else)
-                else []
-            )
+            inner = _blocks(stmt)
+            nested = [r for b in inner for r in _inline(b)]
             # a softmax that is itself under an if (fp16 upcast) stays one statement
-            if not (_has_softmax(stmt) and not any(_inline(b) for b in inner)):
-                for b in inner:
-                    found = _inline(b)
-                    if found:
-                        return found
+            if nested or not _has_softmax(stmt):
+                found += nested
                 continue
         if not _has_softmax(stmt):
             continue
@@ -167,10 +183,8 @@ def _inline(block) -> EagerCore | None:
         out = target.body[0].targets[0].target.value
         if None in (q, k, v):
             continue
-        return EagerCore(
-            kind="inline", start=stmts[start], end=stmts[end], q=q, k=k, v=v, out=out
-        )
-    return None
+        found.append(Region(stmts[start], stmts[end], q, k, v, out))
+    return found
 
 
 # --- probe -------------------------------------------------------------------------
@@ -208,36 +222,39 @@ def instrumented(pymodule, cls, core: EagerCore, info: ClassInfo, sink: list):
             setattr(cls, core.method, original)
         return
 
-    # inline: the forward re-compiled with a recording call around the core
-    enter = cst.parse_statement(
-        f"__codemods_enter(self, {core.q}, {core.k}, {core.v})\n"
-    )
-    leave = cst.parse_statement(f"__codemods_leave(self, {core.out})\n")
-    start, end = core.start, core.end
+    # inline: the forward re-compiled with recording calls around each core
+    marks = {}
+    for i, r in enumerate(core.regions):
+        marks[id(r.start)] = ("enter", cst.parse_statement(
+            f"__codemods_enter(self, {i}, {r.q}, {r.k}, {r.v})\n"
+        ))
+        marks[id(r.end)] = ("leave", cst.parse_statement(f"__codemods_leave(self, {i}, {r.out})\n"))
 
     class _Wrap(cst.CSTTransformer):
         def leave_IndentedBlock(self, original, updated):
             out = []
             for old, new in zip(original.body, updated.body):
-                if old is start:
-                    out.append(enter)
+                mark = marks.get(id(old))
+                if mark and mark[0] == "enter":
+                    out.append(mark[1])
                 out.append(new)
-                if old is end:
-                    out.append(leave)
+                if mark and mark[0] == "leave":
+                    out.append(mark[1])
             return updated.with_changes(body=out)
 
     func = info.forward.with_changes(decorators=[]).visit(_Wrap())
     pending: dict[int, dict] = {}
 
-    def enter_fn(self, q, k, v):
+    def enter_fn(self, region, q, k, v):
         pending[id(self)] = dict(
-            module=self, q=q.detach().clone(), k=k.detach().clone(), v=v.detach().clone()
+            module=self, region=region, q=q.detach().clone(), k=k.detach().clone(), v=v.detach().clone()
         )
 
-    def leave_fn(self, out):
+    def leave_fn(self, region, out):
         rec = pending.pop(id(self), None)
         if rec is not None:
             rec.update(out=out.detach().clone(), container=None, arity=1)
+            core.ran.add(region)
             sink.append(rec)
 
     namespace = dict(vars(pymodule))
@@ -532,6 +549,32 @@ class CoreRewrite(cst.CSTTransformer):
     def __init__(self, spec, used_after: set[str] | None = None):
         self.spec = spec
         self.core = spec.eager
+        self.outside_loads: dict[int, set[str]] = {}
+
+    def visit_FunctionDef(self, node: cst.FunctionDef):
+        from .simplify import loads
+
+        if self.core.kind != "inline" or node.name.value != "forward":
+            return True
+        for index, region in enumerate(self.core.regions):
+            inside = set()
+            # loads of the whole forward minus the region's own statements
+            blocks = [b for b in m.findall(node, m.IndentedBlock()) if region.start in b.body]
+            if not blocks:
+                continue
+            stmts = list(blocks[0].body)
+            i, j = stmts.index(region.start), stmts.index(region.end)
+            for s in stmts[i : j + 1]:
+                inside |= {id(n) for n in m.findall(s, m.Name())}
+            skip = {id(x) for x in m.findall(node, m.Name())} - {
+                id(x) for x in m.findall(node.body, m.Name())
+            }
+            reads = set()
+            for name in m.findall(node.body, m.Name()):
+                if id(name) not in inside and id(name) not in skip:
+                    reads.add(name.value)
+            self.outside_loads[index] = reads & set(loads(node.body))
+        return True
 
     def leave_Call(self, original, updated: cst.Call):
         core = self.core
@@ -549,29 +592,39 @@ class CoreRewrite(cst.CSTTransformer):
         return cst.parse_expression(call)
 
     def leave_IndentedBlock(self, original, updated):
+        from .simplify import loads, stores
+
         core = self.core
         if core.kind != "inline":
             return updated
         originals = list(original.body)
-        if core.start not in originals:
-            return updated
-        i, j = originals.index(core.start), originals.index(core.end)
-        defined = set()
-        from .simplify import stores
-
-        for s in originals[i : j + 1]:
-            defined |= stores(s)
-        defined.discard(core.out)
-        later = set()
-        from .simplify import loads
-
-        for s in originals[j + 1 :]:
-            later |= set(loads(s))
-        stmt = cst.parse_statement(
-            f"{core.out} = {replacement(self.spec, core.q, core.k, core.v)}\n"
-        )
-        nones = [
-            cst.parse_statement(f"{n} = None\n") for n in sorted(defined & later)
-        ]
         body = list(updated.body)
-        return updated.with_changes(body=[*body[:i], stmt, *nones, *body[j + 1 :]])
+        # last region first, so earlier indices hold
+        for index in reversed(range(len(core.regions))):
+            region = core.regions[index]
+            if region.start not in originals:
+                continue
+            i, j = originals.index(region.start), originals.index(region.end)
+            if index not in core.ran:
+                # a branch the tiny model never took is not proven: say so when it runs
+                stmt = cst.parse_statement(
+                    f'raise NotImplementedError("{self.spec.class_name}: this attention '
+                    'branch was not exercised when the file was generated, so it is not '
+                    'proven; regenerate with a config that takes it")\n'
+                )
+                body[i:] = [stmt]  # what follows in the branch is unreachable
+                continue
+            defined = set()
+            for s in originals[i : j + 1]:
+                defined |= stores(s)
+            defined.discard(region.out)
+            # names the core computed that the rest of forward reads (the weights)
+            later = set(self.outside_loads.get(index, ()))
+            stmt = cst.parse_statement(
+                f"{region.out} = {replacement(self.spec, region.q, region.k, region.v)}\n"
+            )
+            nones = [
+                cst.parse_statement(f"{n} = None\n") for n in sorted(defined & later)
+            ]
+            body[i : j + 1] = [stmt, *nones]
+        return updated.with_changes(body=body)

@@ -271,6 +271,12 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
         )
 
     wanted = _reachable(causal.name, classes)
+    # classes built indirectly (`CLASSES[config._attn_implementation](config)`): the
+    # tiny model says which
+    for mod in model.modules():
+        name = type(mod).__name__
+        if name in classes and name not in wanted:
+            wanted += [c for c in _reachable(name, classes) if c not in wanted]
     # attention: classes calling transformers' attention interface
     attention_infos = {
         n: classes[n]
@@ -474,10 +480,19 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
     vocab_attr = _vocab_embedding(base_mod, config)
     vocab_class = type(_get(base_mod, vocab_attr)).__name__
     rebased = {vocab_class} if vocab_class in classes else set()
+    built = {}
+    for n in emitted:
+        inst = pr.first(n)
+        if inst is None:
+            continue
+        for attr, child in inst.named_children():
+            if type(child).__name__ in classes and classes[n].constructed_class(attr) is None:
+                built[(n, attr)] = type(child).__name__
     ctx = Context(
         classes=classes,
         norms=norms,
-        prefix_classes=prefix_classes(classes, set(emitted), fused_names, specs) | rebased,
+        built=built,
+        prefix_classes=prefix_classes(classes, set(emitted), fused_names, specs, built) | rebased,
         attention=specs,
         styles=styles,
         kept_linears=kept_linears(source.module, classes),

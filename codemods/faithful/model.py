@@ -209,7 +209,9 @@ def _base_init_statement(stmt, roles: BaseRoles, ctx: Context, rewriter) -> list
             )
         else:  # the source's embedding class, rebased on VocabParallelEmbedding
             line = code(stmt.visit(rewriter)).strip()
-        return _rank_guard([line], "first+tied" if roles.tied else "first", roles.tied)
+        return _rank_guard(
+            line.splitlines(), "first+tied" if roles.tied else "first", roles.tied
+        )
     if attr == roles.layers_attr:
         return _make_layers(roles, attr)
     line = code(stmt.visit(rewriter)).strip()

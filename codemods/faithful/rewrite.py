@@ -85,6 +85,9 @@ class Context:
     sharded_attention: set[str] = field(default_factory=set)
     # functions of the source that build attention masks (their calls become None)
     mask_functions: set[str] = field(default_factory=set)
+    # (class, attr) -> the source class the tiny model built there, for constructions
+    # through a lookup (`CLASSES[config._attn_implementation](config)`)
+    built: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
 def kept_linears(module: cst.Module, classes: dict[str, ClassInfo]) -> set[str]:
@@ -142,7 +145,11 @@ _LINEAR_FUNC = m.Attribute(value=m.Name("nn"), attr=m.Name("Linear")) | m.Attrib
 
 
 def prefix_classes(
-    classes: dict[str, ClassInfo], wanted: set[str], fused: set[str], attention
+    classes: dict[str, ClassInfo],
+    wanted: set[str],
+    fused: set[str],
+    attention,
+    looked_up: dict | None = None,
 ) -> set[str]:
     """Classes that hold vLLM layers, directly or through the classes they build: they
     take `quant_config` and `prefix`, and every construction of them passes both."""
@@ -155,6 +162,7 @@ def prefix_classes(
             if name in out or info.init is None:
                 continue
             built = {dotted_name(c.func) for c in m.findall(info.init, m.Call())}
+            built |= {v for (owner, _), v in (looked_up or {}).items() if owner == name}
             if built & out:
                 out.add(name)
                 changed = True
@@ -316,8 +324,13 @@ class _InitRewrite(cst.CSTTransformer):
 
     # constructions -------------------------------------------------------------
     def leave_Call(self, original: cst.Call, updated: cst.Call):
-        func = dotted_name(updated.func) or ""
         path = self._current()
+        looked_up = self.ctx.built.get((self.info.name, path or ""))
+        if looked_up and isinstance(updated.func, cst.Subscript):
+            # a class chosen by the attention implementation: the one transformers' eager
+            # path builds (what the proofs ran); vLLM has no implementation of that name
+            updated = updated.with_changes(func=cst.Name(looked_up))
+        func = dotted_name(updated.func) or ""
         if m.matches(
             updated, m.Call(func=m.Attribute(value=m.Call(func=m.Name("super"))))
         ):
@@ -449,7 +462,7 @@ def _attention_init_lines(spec: AttentionSpec, sharded: bool) -> list[str]:
     if spec.sinks and (sharded or spec.qkv is not None):
         name = spec.sinks
         lines += [
-            "# the sinks of this rank's heads, loaded from their slice of the checkpoint's",
+            "# the sinks of this rank's heads, each loaded from its slice of the checkpoint tensor",
             f"if {name} is not None:",
             f"    {name} = nn.Parameter(torch.empty({heads}), requires_grad=False)",
             f'    set_weight_attrs({name}, {{"weight_loader": sharded_weight_loader(0)}})',

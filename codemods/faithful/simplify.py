@@ -221,9 +221,17 @@ class Fold(cst.CSTTransformer):
         return cst.FlattenSentinel(list(orelse.body.body))
 
     def leave_IndentedBlock(self, original, updated: cst.IndentedBlock):
-        if not updated.body:
+        body = list(updated.body)
+        # statements after a return or raise never run
+        for i, stmt in enumerate(body):
+            if isinstance(stmt, cst.SimpleStatementLine) and any(
+                isinstance(s, (cst.Return, cst.Raise)) for s in stmt.body
+            ):
+                body = body[: i + 1]
+                break
+        if not body:
             return updated.with_changes(body=[cst.SimpleStatementLine([cst.Pass()])])
-        return updated
+        return updated.with_changes(body=body)
 
 
 def loads(node: cst.CSTNode) -> list[str]:
