@@ -205,15 +205,16 @@ def variants(config_cls, values: dict):
             lambda v: v.update({k: dict(v[k], rope_theta=10000.0) for k in subs})
         )
     drops = [n for n in feature_values(config_cls) if n in values and n != "layer_types"]
-    combos = [()] + [(f,) for f in fixes] + list(itertools.combinations(fixes, 2))
-    for drop in [None, *drops]:
-        for combo in combos:
-            v = json.loads(json.dumps(values))
-            for fix in combo:
-                fix(v)
-            if drop is not None:
-                v.pop(drop, None)
-            yield v
+    singles = [((), None)] + [((f,), None) for f in fixes] + [((), d) for d in drops]
+    pairs = [(c, None) for c in itertools.combinations(fixes, 2)]
+    mixed = [((f,), d) for d in drops for f in fixes]
+    for combo, drop in singles + pairs + mixed:
+        v = json.loads(json.dumps(values))
+        for fix in combo:
+            fix(v)
+        if drop is not None:
+            v.pop(drop, None)
+        yield v
 
 
 def _same_under_sdpa(model, config, ids, eager) -> None:
@@ -242,7 +243,7 @@ def working_values(causal_cls, overrides: dict | None = None) -> dict:
     base = tiny_values(config_cls, overrides)
     first_error = None
     for attempt, values in enumerate(variants(config_cls, base)):
-        if attempt >= 60:
+        if attempt >= 120:
             break
         values = {**values, **(overrides or {})}
         try:

@@ -60,7 +60,8 @@ class Refusal:
     reason: str
 
     def describe(self) -> str:
-        return f"Refused: {self.what} ({self.source_class}): {self.reason}"
+        # one line, whatever source text the reason quotes
+        return " ".join(f"Refused: {self.what} ({self.source_class}): {self.reason}".split())
 
 
 class PatternRefused(Exception):

@@ -452,6 +452,14 @@ def _block(info, classes, roles, dense) -> MoESpec:
             ("num_expert_group", in_block(router.groups)),
             ("topk_group", in_block(router.topk_group)),
         ]
+    elif router.scoring != "softmax":
+        # one group of every expert: plain top-k (what the proof runs), and the routing
+        # vLLM's CPU fused MoE takes for a non-softmax score
+        routing += [
+            ("use_grouped_topk", "True"),
+            ("num_expert_group", "1"),
+            ("topk_group", "1"),
+        ]
     if router.scale is not None:
         routing.append(("routed_scaling_factor", in_block(router.scale)))
     return MoESpec(
@@ -536,9 +544,27 @@ def prove(spec: MoESpec, module, config) -> None:
         act_and_mul = get_act_and_mul_fn(act).forward_native
     except ValueError:
         raise PatternRefused(f"vLLM's fused MoE has no activation {act!r}") from None
+    import copy
+
+    module = copy.deepcopy(module)
     router = getattr(module, spec.router_attr)
     experts = getattr(module, spec.experts_attr)
     r = spec.router
+    # any other state of the block that could move the routing (a correction bias held
+    # by the block and handed to the router) gets values that bite: unread by the
+    # fused form, it makes the outputs differ
+    known = {
+        id(getattr(router, r.weight)),
+        id(getattr(experts, spec.experts.gate_up)),
+        id(getattr(experts, spec.experts.down)),
+    }
+    shared = getattr(module, spec.shared_attr) if spec.shared_attr else None
+    skip = {id(t) for t in (shared.parameters() if shared is not None else [])}
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(5)
+        for t in [*module.parameters(), *module.buffers()]:
+            if id(t) not in known and id(t) not in skip and t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=gen))
     routing = {
         "topk": int(_evaluate(spec.top_k, config, "top-k")),
         "renormalize": bool(_evaluate(spec.renormalize, config, "the renormalisation")),
@@ -563,7 +589,7 @@ def prove(spec: MoESpec, module, config) -> None:
         )
     weight = getattr(router, r.weight)
     hidden = weight.shape[1]
-    x = torch.randn(2, 5, hidden, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 32, hidden, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         if r.bias is not None:
             # a bias that moves the choice: random, so a dropped bias shows

@@ -13,7 +13,7 @@ from . import attention, copied, mla, mlp, model, moe
 # (module, names): only the names the emitted classes use are imported.
 IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collections.abc", ("Iterable",)),
-    ("copy", ("copy",)),
+    ("copy", ("copy", "copy as shallow_copy")),
     ("transformers.activations", ("ACT2CLS", "ACT2FN")),
     ("transformers.core_model_loading", ("WeightRenaming",)),
     ("itertools", ("islice",)),
@@ -31,7 +31,7 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("vllm.model_executor.layers.activation", ("get_act_and_mul_fn",)),
-    ("vllm.model_executor.layers.attention", ("Attention",)),
+    ("vllm.model_executor.layers.attention", ("Attention", "Attention as VllmAttention")),
     ("vllm.model_executor.layers.fused_moe", ("FusedMoEFactory", "GateLinear")),
     ("vllm.model_executor.layers.layernorm", ("GemmaRMSNorm", "RMSNorm")),
     (
@@ -77,8 +77,13 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def imports_for(body: str) -> str:
-    """Import lines for the names `body` uses, grouped stdlib / torch / vllm."""
+# names whose plain use is too loose a test: `copy(` the function, not `copy.deepcopy`
+_USE = {"copy": r"(?<![\w.])copy\("}
+
+
+def imports_for(body: str, defined: set[str] = frozenset()) -> str:
+    """Import lines for the names `body` uses, grouped stdlib / torch / vllm; names
+    `body` defines itself (a source class called `Attention`) are not imported."""
     groups: dict[str, list[str]] = {
         "std": [
             f"import {name}"
@@ -90,7 +95,13 @@ def imports_for(body: str) -> str:
         "vllm": [],
     }
     for module, names in IMPORTS:
-        used = [n for n in names if re.search(rf"\b{n}\b", body)]
+        # "name as alias" entries are found by their alias
+        used = [
+            n
+            for n in names
+            if n not in defined
+            and re.search(_USE.get(n, rf"\b{n.split(' as ')[-1]}\b"), body)
+        ]
         if used:
             group = module.split(".")[0] if module.split(".")[0] in groups else "std"
             groups[group].append(f"from {module} import {', '.join(used)}")

@@ -25,6 +25,7 @@ from ..errors import CodemodError
 from ..source import ModelSource
 from ..structure import TORCH_NORMS, class_infos
 from . import attention, definitions, eager_attention, probe, tp, weights
+from . import rewrite as rewrite_module
 from .model import BaseRoles, CausalRoles, emit_base, emit_causal, mask_functions
 from .rewrite import (
     LINEARS,
@@ -69,7 +70,7 @@ class Unfused:
     reason: str
 
     def describe(self) -> str:
-        return f"Unfused: {self.what} ({self.source_class}): {self.reason}"
+        return " ".join(f"Unfused: {self.what} ({self.source_class}): {self.reason}".split())
 
 
 @dataclass
@@ -208,6 +209,7 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
 
     pymodule = loading.load_module(source, trust_remote_code)
     classes = class_infos(source.module)
+    rewrite_module.ATTENTION_NAME[0] = "VllmAttention" if "Attention" in classes else "Attention"
     defs = definitions.collect(source)
     causal_cls = pick_causal(pymodule, classes, source)
     # attention classes keep their __init__ locals while the tiny model is built
@@ -596,11 +598,12 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
     helper = VLLM_ATTENTION_HELPER if any(sp.eager is None for sp in specs.values()) else ""
     if any(sp.eager is not None for sp in specs.values()):
         helper += eager_attention.HELPER
+    helper = helper.replace("attn: Attention", f"attn: {rewrite_module.ATTENTION_NAME[0]}")
     for name, text in eager_attention.ALIBI_HELPERS.items():
         if any(sp.alibi and f"{name}(" in sp.alibi for sp in specs.values()):
             helper += text
     body = helper + "\n\n" + body_classes
-    head = imports_for(body)
+    head = imports_for(body, set(classes))
     copied, imports = definitions.closure(
         defs,
         head + body,
@@ -627,7 +630,7 @@ def order_all(defs, copied: list[str], pieces: dict[str, str]) -> list[str]:
 
 
 def _provided(line: str, head: str) -> bool:
-    return line in head
+    return line in head.splitlines()
 
 
 def _is_pretrained_helper(name, classes, pymodule, causal, base) -> bool:

@@ -55,7 +55,15 @@ def mask_functions(imports: dict[str, str]) -> set[str]:
 
 class _NoMasks(cst.CSTTransformer):
     def __init__(self, names: set[str]):
-        self.names = names
+        self.names = set(names)
+
+    def visit_FunctionDef(self, node):
+        # `mask_function = create_causal_mask if ... else create_sliding_window_causal_mask`
+        for assign in m.findall(node, m.Assign(targets=[m.AssignTarget(m.Name())])):
+            used = {n.value for n in m.findall(assign.value, m.Name())}
+            if used & self.names and not m.findall(assign.value, m.Call()):
+                self.names.add(assign.targets[0].target.value)
+        return True
 
     def leave_Call(self, original, updated: cst.Call):
         func = updated.func
@@ -342,7 +350,7 @@ def _base_forward(roles: BaseRoles, ctx: Context) -> tuple[str, list[str]]:
     func = strip_decorators(func)
     params = {p.name.value for p in m.findall(func.params, m.Param())}
     not_none = {"position_ids"} | ({"cache_position"} & params)
-    func = func.with_changes(body=func.body.visit(_NoMasks(ctx_mask_functions(ctx))))
+    func = func.visit(_NoMasks(ctx_mask_functions(ctx)))
     func = inference_folded(func)
     if func.params.star_kwarg is not None:
         # the source's **kwargs (transformers' extra outputs): nothing under vLLM

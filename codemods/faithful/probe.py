@@ -3,9 +3,10 @@ know about it: the modules each class is instantiated as, and, for every attenti
 layer, what it hands its attention interface (query/key/value, the mask, the keyword
 arguments) and what that interface returns.
 
-The attention interface is reached through the source's eager function (the default
-of `ALL_ATTENTION_FUNCTIONS.get_interface(...)`); the probe wraps that function in the
-module's namespace for one forward, so every layer is seen in one pass.
+The probe runs the copy's own branches: the model runs under an attention
+implementation that is none of transformers' (as under vLLM, where the copy reads
+`"vllm"`), registered to call each class's own eager function and record what it is
+handed, with eager masks so each layer's window shows. Every layer is seen in one pass.
 """
 
 from __future__ import annotations

@@ -56,6 +56,10 @@ ANNOTATION_NAMES = {
     "type",
 }
 
+# vLLM's Attention under the name the file imports it as (VllmAttention when the source
+# defines a class of its own called Attention)
+ATTENTION_NAME = ["Attention"]
+
 VLLM_ATTENTION_HELPER = '''
 def vllm_attention(attn: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """transformers' attention-interface layout around vLLM's paged attention:
@@ -474,7 +478,7 @@ def _attention_init_lines(spec: AttentionSpec, sharded: bool) -> list[str]:
         f"sliding_window = {window}",
         "if sliding_window is None and cache_config is not None and cache_config.sliding_window:",
         "    # the source attends fully here: keep vLLM from applying the model-level window",
-        "    cache_config = copy(cache_config)",
+        "    cache_config = shallow_copy(cache_config)",
         "    cache_config.sliding_window = None",
     ]
     args = [
@@ -497,7 +501,7 @@ def _attention_init_lines(spec: AttentionSpec, sharded: bool) -> list[str]:
             slopes = f"{slopes}[{rank} * ({heads}) : ({rank} + 1) * ({heads})]"
         args.append(f"alibi_slopes={slopes}")
     args.append(f'prefix=f"{{prefix}}.{spec.attr}"')
-    lines.append(f"self.{spec.attr} = Attention({', '.join(args)})")
+    lines.append(f"self.{spec.attr} = {ATTENTION_NAME[0]}({', '.join(args)})")
     return lines
 
 
