@@ -13,3 +13,11 @@ def quiet_vllm_logging() -> None:
     if "vllm" not in sys.modules:
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         logging.getLogger("vllm").setLevel(logging.ERROR)
+    # transformers' notes about the tiny configs the proofs build (token ids outside
+    # the shrunk vocabulary, rope fields) are not the user's business
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover
+        pass

@@ -46,6 +46,15 @@ SIZES = {
     "qk_nope_head_dim": 64,
     "v_head_dim": 64,
 }
+# special token ids a config may hold, clamped into the tiny vocabulary
+TOKEN_IDS = (
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "cls_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+)
 WINDOW = 8  # shorter than every verification prompt but the first
 # Booleans that are not model features (runtime switches, or another kind of model).
 NOT_FEATURES = {
@@ -140,7 +149,7 @@ def tiny_values(config_cls, overrides: dict | None = None) -> dict:
                 values[name] = {**fields[name], **sub}
     if "layer_types" in values:
         values["num_hidden_layers"] = len(values["layer_types"])
-    ids = {k: fields.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    ids = {k: fields.get(k) for k in TOKEN_IDS}
     _clamp_token_ids(ids, VOCAB)  # default ids of a full vocabulary (Phi-3's pad 32000)
     values.update({k: v for k, v in ids.items() if v != fields.get(k)})
     values.update(overrides or {})
@@ -301,7 +310,7 @@ def fit_parallel(cfg: dict, tp: int, pp: int) -> list[str]:
 
 
 def _clamp_token_ids(cfg: dict, vocab: int) -> None:
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    for key in TOKEN_IDS:
         value = cfg.get(key)
         if isinstance(value, int) and value >= vocab:
             cfg[key] = vocab - 1

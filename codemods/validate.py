@@ -92,6 +92,16 @@ def _validate(structure: ModelStructure, trust_remote_code: bool) -> None:
         ) from None
     tiny.randomize(model)
     instances = _first_instances(model)
+    if isinstance(s.attention, mla.MLASpec):
+        from .faithful.generate import _vllm_assumes_mla
+
+        if not _vllm_assumes_mla(config):
+            # vLLM sizes the KV cache and picks kernels by its own list of MLA model
+            # types; a latent cache for another type would not be set up
+            raise CodemodError(
+                f"cannot generate: vLLM does not set up {config.model_type} for latent "
+                "attention (its MLA model types), so its attention cannot be vLLM's MLA layer"
+            )
 
     for name, spec in list(s.norms.items()):
         try:

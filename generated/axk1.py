@@ -32,7 +32,7 @@
 
 import re
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -489,7 +489,7 @@ class AXK1Attention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.num_heads,
@@ -829,10 +829,25 @@ class AXK1ForCausalLM(nn.Module, SupportsPP, SupportsQuant):
                     continue
                 param_name = found.group(1) + target
                 param = params.get(param_name)
-                if param is not None:  # else a layer of another pipeline stage
-                    expert = int(found.group(2))
-                    param.data[expert].chunk(shards, dim=0)[shard].copy_(tensor)
-                    loaded.add(param_name)
+                if param is None:
+                    # a layer of another pipeline stage, or experts fused into vLLM's
+                    # MoE layer, whose own loader reads per-expert tensors
+                    if not self._on_another_stage(param_name):
+                        yield name, tensor
+                    break
+                expert = int(found.group(2))
+                param.data[expert].chunk(shards, dim=0)[shard].copy_(tensor)
+                loaded.add(param_name)
                 break
             else:
                 yield name, tensor
+
+    def _on_another_stage(self, name: str) -> bool:
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                module = self.get_submodule(".".join(parts[:i]))
+            except AttributeError:
+                continue
+            return isinstance(module, PPMissingLayer)
+        return False

@@ -21,7 +21,7 @@
 """Native vLLM implementation of CohereForCausalLM, generated from transformers/models/cohere/modeling_cohere.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -289,7 +289,7 @@ class CohereAttention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             config.num_attention_heads,

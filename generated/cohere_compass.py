@@ -20,7 +20,7 @@
 """Native vLLM implementation of CohereCompassForCausalLM, generated from transformers/models/cohere_compass/modeling_cohere_compass.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -324,7 +324,7 @@ class CohereCompassAttention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.qkv_proj.num_heads,

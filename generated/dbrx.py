@@ -22,7 +22,7 @@
 """Native vLLM implementation of DbrxForCausalLM, generated from transformers/models/dbrx/modeling_dbrx.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -210,7 +210,7 @@ class DbrxAttention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.num_heads,

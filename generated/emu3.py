@@ -21,7 +21,7 @@
 """Native vLLM implementation of Emu3ForCausalLM, generated from transformers/models/emu3/modeling_emu3.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -160,7 +160,7 @@ class Emu3Attention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.qkv_proj.num_heads,

@@ -17,7 +17,7 @@
 """Native vLLM implementation of GPT2LMHeadModel, generated from transformers/models/gpt2/modeling_gpt2.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -119,7 +119,7 @@ class GPT2Attention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.num_heads,

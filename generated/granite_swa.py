@@ -21,7 +21,7 @@
 """Native vLLM implementation of GraniteSWAForCausalLM, generated from transformers/models/granite_swa/modeling_granite_swa.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -61,6 +61,7 @@ from vllm.sequence import IntermediateTensors
 from collections.abc import Callable
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_rope_utils import dynamic_rope_update
+import copy
 
 
 def vllm_attention(
@@ -177,7 +178,7 @@ class GraniteSWAAttention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.qkv_proj.num_heads,

@@ -25,7 +25,7 @@
 """Native vLLM implementation of GraniteMoeSWAForCausalLM, generated from transformers/models/granitemoe_swa/modeling_granitemoe_swa.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -67,6 +67,7 @@ from collections.abc import Callable
 from torch.nn import functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_rope_utils import dynamic_rope_update
+import copy
 
 
 def vllm_attention(
@@ -287,7 +288,7 @@ class GraniteMoeSWAAttention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.qkv_proj.num_heads,

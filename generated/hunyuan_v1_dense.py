@@ -23,7 +23,7 @@
 """Native vLLM implementation of HunYuanDenseV1ForCausalLM, generated from transformers/models/hunyuan_v1_dense/modeling_hunyuan_v1_dense.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -201,7 +201,7 @@ class HunYuanDenseV1Attention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.qkv_proj.num_heads,

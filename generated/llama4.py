@@ -27,7 +27,7 @@
 """Native vLLM implementation of Llama4ForCausalLM, generated from transformers/models/llama4/modeling_llama4.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -389,7 +389,7 @@ class Llama4TextAttention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.num_attention_heads,

@@ -13,19 +13,20 @@
 #   Fused: post_attention_layernorm (MiniMaxM2DecoderLayer) -> post_attention_layernorm (RMSNorm)
 #   Fused: q_norm (MiniMaxM2Attention) -> q_norm (RMSNorm)
 #   Fused: k_norm (MiniMaxM2Attention) -> k_norm (RMSNorm)
-#   Fused: gate + experts (MiniMaxM2SparseMoeBlock) -> experts (FusedMoE, sigmoid top-`config.num_experts_per_tok` of `config.num_local_experts` experts, renormalised)
 #   Unfused: native layout (MiniMaxM2ForCausalLM): native analysis failed: RuntimeError: The size of tensor a (64) must match the size of tensor b (256) at non-singleton dimension 0
 #   Unfused: module (MiniMaxM2RotaryEmbedding): copied from the source
 #   Unfused: decoder layer (MiniMaxM2DecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
+#   Unfused: module (MiniMaxM2SparseMoeBlock): copied from the source (MiniMaxM2SparseMoeBlock as FusedMoE (renormalize=True): the fused form differs (max rel err 6.5e-01 > 1e-05))
 #   Unfused: module (MiniMaxM2Experts): copied from the source
 #   Unfused: module (MiniMaxM2TopKRouter): copied from the source
 #   Unfused: attention (MiniMaxM2Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Refused: router + experts (MiniMaxM2SparseMoeBlock): MiniMaxM2SparseMoeBlock as FusedMoE (renormalize=True): the fused form differs (max rel err 6.5e-01 > 1e-05)
 # ======================================================================================
 """Native vLLM implementation of MiniMaxM2ForCausalLM, generated from transformers/models/minimax_m2/modeling_minimax_m2.py."""
 
 import re
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -38,7 +39,6 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -157,39 +157,23 @@ class MiniMaxM2Experts(nn.Module):
 
 
 class MiniMaxM2SparseMoeBlock(nn.Module):
-    def __init__(
-        self, config, quant_config: QuantizationConfig | None = None, prefix: str = ""
-    ) -> None:
+    def __init__(self, config):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.jitter_noise = config.router_jitter_noise
-        self.gate = GateLinear(
-            config.hidden_size,
-            config.num_local_experts,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.gate",
-        )
-        # Fused: gate + experts -> FusedMoE (sigmoid top-`config.num_experts_per_tok` of `config.num_local_experts` experts, renormalised)
-        self.experts = FusedMoEFactory(
-            num_experts=config.num_local_experts,
-            top_k=config.num_experts_per_tok,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            renormalize=True,
-            activation=config.hidden_act,
-            scoring_func="sigmoid",
-            quant_config=quant_config,
-            prefix=f"{prefix}.experts",
-        )
+        self.gate = MiniMaxM2TopKRouter(config)
+        self.experts = MiniMaxM2Experts(config)
         self.e_score_correction_bias = nn.Buffer(torch.zeros(config.num_local_experts))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shape = hidden_states.shape
-        hidden_states = hidden_states.view(-1, shape[-1])
-        router_logits, _ = self.gate(hidden_states)
-        out = self.experts(hidden_states, router_logits)
-        return out.view(shape)
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+        _, top_k_weights, top_k_index = self.gate(
+            hidden_states, self.e_score_correction_bias
+        )
+        hidden_states = self.experts(hidden_states, top_k_index, top_k_weights)
+        hidden_states = hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+        return hidden_states
 
 
 class MiniMaxM2RotaryEmbedding(nn.Module):
@@ -364,7 +348,7 @@ class MiniMaxM2Attention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             config.num_attention_heads,
@@ -423,9 +407,7 @@ class MiniMaxM2DecoderLayer(nn.Module):
             config, layer_idx, quant_config=quant_config, prefix=f"{prefix}.self_attn"
         )
 
-        self.mlp = MiniMaxM2SparseMoeBlock(
-            config, quant_config=quant_config, prefix=f"{prefix}.mlp"
-        )
+        self.mlp = MiniMaxM2SparseMoeBlock(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, eps=config.rms_norm_eps
@@ -639,10 +621,25 @@ class MiniMaxM2ForCausalLM(nn.Module, SupportsPP, SupportsQuant):
                     continue
                 param_name = found.group(1) + target
                 param = params.get(param_name)
-                if param is not None:  # else a layer of another pipeline stage
-                    expert = int(found.group(2))
-                    param.data[expert].chunk(shards, dim=0)[shard].copy_(tensor)
-                    loaded.add(param_name)
+                if param is None:
+                    # a layer of another pipeline stage, or experts fused into vLLM's
+                    # MoE layer, whose own loader reads per-expert tensors
+                    if not self._on_another_stage(param_name):
+                        yield name, tensor
+                    break
+                expert = int(found.group(2))
+                param.data[expert].chunk(shards, dim=0)[shard].copy_(tensor)
+                loaded.add(param_name)
                 break
             else:
                 yield name, tensor
+
+    def _on_another_stage(self, name: str) -> bool:
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                module = self.get_submodule(".".join(parts[:i]))
+            except AttributeError:
+                continue
+            return isinstance(module, PPMissingLayer)
+        return False

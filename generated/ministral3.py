@@ -12,24 +12,16 @@
 #   Fused: input_layernorm (Ministral3DecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (Ministral3DecoderLayer) -> post_attention_layernorm (RMSNorm)
 #   Fused: gate_proj + up_proj (Ministral3MLP) -> gate_up_proj (MergedColumnParallelLinear)
-#   Unfused: native layout (Ministral3ForCausalLM): Refused: q/k/v projections (Ministral3Attention): `self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2) * get_llama_4_attn_scale(
-    position_ids,
-    self.config.rope_parameters.get("llama_4_scaling_beta"),
-    self.config.rope_parameters.get("original_max_position_embeddings"),
-).to(self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2).dtype)` between a projection and attention (no unfused attention form is emitted yet)
+#   Unfused: native layout (Ministral3ForCausalLM): Refused: q/k/v projections (Ministral3Attention): `self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2) * get_llama_4_attn_scale( position_ids, self.config.rope_parameters.get("llama_4_scaling_beta"), self.config.rope_parameters.get("original_max_position_embeddings"), ).to(self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2).dtype)` between a projection and attention (no unfused attention form is emitted yet)
 #   Unfused: module (Ministral3RotaryEmbedding): copied from the source
 #   Unfused: decoder layer (Ministral3DecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (Ministral3Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=getattr(self.config, "sliding_window", None))
-#   Refused: q/k/v projections (Ministral3Attention): `self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2) * get_llama_4_attn_scale(
-    position_ids,
-    self.config.rope_parameters.get("llama_4_scaling_beta"),
-    self.config.rope_parameters.get("original_max_position_embeddings"),
-).to(self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2).dtype)` between a projection and attention
+#   Refused: q/k/v projections (Ministral3Attention): `self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2) * get_llama_4_attn_scale( position_ids, self.config.rope_parameters.get("llama_4_scaling_beta"), self.config.rope_parameters.get("original_max_position_embeddings"), ).to(self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2).dtype)` between a projection and attention
 # ======================================================================================
 """Native vLLM implementation of Ministral3ForCausalLM, generated from transformers/models/ministral3/modeling_ministral3.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -65,8 +57,6 @@ from vllm.model_executor.models.utils import (
 from vllm.sequence import IntermediateTensors
 
 from collections.abc import Callable
-from transformers.masking_utils import create_causal_mask
-from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_rope_utils import dynamic_rope_update
 
@@ -197,7 +187,7 @@ class Ministral3Attention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             config.num_attention_heads // tp_size,
@@ -436,28 +426,15 @@ class Ministral3Model(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
-            inputs_embeds = hidden_states
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
-        mask_function = (
-            create_causal_mask
-            if self.config.sliding_window is None
-            else create_sliding_window_causal_mask
-        )
-        causal_mask = mask_function(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=None,
-            position_ids=position_ids,
-        )
-        if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask,
+                attention_mask=None,
                 position_ids=position_ids,
                 position_embeddings=position_embeddings,
             )

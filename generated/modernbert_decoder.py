@@ -20,7 +20,7 @@
 """Native vLLM implementation of ModernBertDecoderForCausalLM, generated from transformers/models/modernbert_decoder/modeling_modernbert_decoder.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -329,7 +329,7 @@ class ModernBertDecoderAttention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.num_heads,

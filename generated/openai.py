@@ -16,7 +16,7 @@
 """Native vLLM implementation of OpenAIGPTLMHeadModel, generated from transformers/models/openai/modeling_openai.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -25,7 +25,7 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
-from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention import Attention as VllmAttention
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -49,7 +49,7 @@ from transformers.pytorch_utils import Conv1D
 
 
 def vllm_attention_heads(
-    attn: Attention,
+    attn: VllmAttention,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -116,9 +116,9 @@ class Attention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
-        self.attn = Attention(
+        self.attn = VllmAttention(
             self.n_head,
             config.hidden_size // config.num_attention_heads,
             (config.hidden_size // config.num_attention_heads) ** -0.5,

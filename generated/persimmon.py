@@ -18,7 +18,7 @@
 """Native vLLM implementation of PersimmonForCausalLM, generated from transformers/models/persimmon/modeling_persimmon.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -267,7 +267,7 @@ class PersimmonAttention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.num_heads,

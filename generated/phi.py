@@ -18,7 +18,7 @@
 """Native vLLM implementation of PhiForCausalLM, generated from transformers/models/phi/modeling_phi.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -241,7 +241,7 @@ class PhiAttention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             config.num_attention_heads // tp_size,

@@ -22,7 +22,7 @@
 
 import re
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -55,8 +55,6 @@ from vllm.model_executor.models.utils import (
 from vllm.sequence import IntermediateTensors
 
 from collections.abc import Callable
-from transformers.masking_utils import create_causal_mask
-from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_rope_utils import dynamic_rope_update
 
@@ -221,7 +219,7 @@ class PhimoeAttention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.qkv_proj.num_heads,
@@ -678,28 +676,15 @@ class PhimoeModel(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
-            inputs_embeds = hidden_states
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
-        mask_function = (
-            create_causal_mask
-            if self.config.sliding_window is None
-            else create_sliding_window_causal_mask
-        )
-        causal_mask = mask_function(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=None,
-            position_ids=position_ids,
-        )
-        if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask,
+                attention_mask=None,
                 position_ids=position_ids,
                 position_embeddings=position_embeddings,
             )
@@ -820,10 +805,25 @@ class PhimoeForCausalLM(nn.Module, SupportsPP, SupportsQuant):
                     continue
                 param_name = found.group(1) + target
                 param = params.get(param_name)
-                if param is not None:  # else a layer of another pipeline stage
-                    expert = int(found.group(2))
-                    param.data[expert].chunk(shards, dim=0)[shard].copy_(tensor)
-                    loaded.add(param_name)
+                if param is None:
+                    # a layer of another pipeline stage, or experts fused into vLLM's
+                    # MoE layer, whose own loader reads per-expert tensors
+                    if not self._on_another_stage(param_name):
+                        yield name, tensor
+                    break
+                expert = int(found.group(2))
+                param.data[expert].chunk(shards, dim=0)[shard].copy_(tensor)
+                loaded.add(param_name)
                 break
             else:
                 yield name, tensor
+
+    def _on_another_stage(self, name: str) -> bool:
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                module = self.get_submodule(".".join(parts[:i]))
+            except AttributeError:
+                continue
+            return isinstance(module, PPMissingLayer)
+        return False

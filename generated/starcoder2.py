@@ -18,7 +18,7 @@
 """Native vLLM implementation of Starcoder2ForCausalLM, generated from transformers/models/starcoder2/modeling_starcoder2.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -54,8 +54,6 @@ from vllm.model_executor.models.utils import (
 from vllm.sequence import IntermediateTensors
 
 from collections.abc import Callable
-from transformers.masking_utils import create_causal_mask
-from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_rope_utils import dynamic_rope_update
 
@@ -198,7 +196,7 @@ class Starcoder2Attention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.qkv_proj.num_heads,
@@ -408,22 +406,9 @@ class Starcoder2Model(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
-            inputs_embeds = hidden_states
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
-        mask_function = (
-            create_causal_mask
-            if self.config.sliding_window is None
-            else create_sliding_window_causal_mask
-        )
-        causal_mask = mask_function(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=None,
-            position_ids=position_ids,
-        )
-        if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
             hidden_states = nn.functional.dropout(
                 hidden_states, p=self.embedding_dropout, training=False
@@ -432,7 +417,7 @@ class Starcoder2Model(nn.Module):
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask,
+                attention_mask=None,
                 position_ids=position_ids,
                 position_embeddings=position_embeddings,
             )

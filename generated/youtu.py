@@ -8,50 +8,44 @@
 # architecture:  GeneratedYoutuForCausalLM -> YoutuForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: norm (YoutuModel) -> norm (RMSNorm)
 #   Fused: input_layernorm (YoutuDecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (YoutuDecoderLayer) -> post_attention_layernorm (RMSNorm)
-#   Fused: norm (YoutuModel) -> norm (RMSNorm)
-#   Fused: q_a_proj + kv_a_proj_with_mqa (YoutuAttention) -> fused_qkv_a_proj (MergedColumnParallelLinear)
-#   Fused: kv_a_proj_with_mqa + kv_a_layernorm + kv_b_proj + rope + attention (YoutuAttention) -> mla_attn (MultiHeadLatentAttentionWrapper, latent KV cache)
-#   Fused: q_a_layernorm (YoutuAttention) -> q_a_layernorm (RMSNorm)
 #   Fused: kv_a_layernorm (YoutuAttention) -> kv_a_layernorm (RMSNorm)
 #   Fused: gate_proj + up_proj (YoutuMLP) -> gate_up_proj (MergedColumnParallelLinear)
-#   Fused: residual add + input_layernorm (YoutuDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
-#   Fused: residual add + post_attention_layernorm (YoutuDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
+#   Unfused: native layout (YoutuForCausalLM): vLLM does not set up youtu for latent attention (its MLA model types), so its attention cannot be vLLM's MLA layer
+#   Unfused: module (YoutuRotaryEmbedding): copied from the source
+#   Unfused: decoder layer (YoutuDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
+#   Unfused: attention (YoutuAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Refused: q/k/v projections (YoutuAttention): `.cat(...)` between a projection and attention
 # ======================================================================================
 """Native vLLM implementation of YoutuForCausalLM, generated from transformers/models/youtu/modeling_youtu.py."""
 
-import math
 from collections.abc import Iterable
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
 from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import CacheConfig, VllmConfig
-from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.mla import MLAModules, MultiHeadLatentAttentionWrapper
 from vllm.model_executor.layers.quantization import QuantizationConfig
-from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import (
-    SupportsLoRA,
-    SupportsPP,
-    SupportsQuant,
-)
+from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -63,26 +57,77 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-# Copied from transformers/models/youtu/modeling_youtu.py
+from collections.abc import Callable
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_rope_utils import dynamic_rope_update
+import math
 
 
-def yarn_get_mscale(scale=1, mscale=1):
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
+def vllm_attention(
+    attn: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> torch.Tensor:
+    """transformers' attention-interface layout around vLLM's paged attention:
+    [1, heads, tokens, head size] in, [1, tokens, heads, head size] out (vLLM takes and
+    returns [tokens, heads * head size])."""
+    tokens, size_v = query.shape[2], value.shape[-1]
+    if (
+        size_v < query.shape[-1]
+    ):  # a smaller value head: padded, as vLLM stores one size
+        value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
+    out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
+    return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
 
 
-# Copied from transformers/models/youtu/modeling_youtu.py
+class YoutuRotaryEmbedding(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
 
+        self.config = config
 
-def yarn_apply_mscale(rope_parameters, scaling):
-    if rope_parameters.get("rope_type", "default") != "default":
-        mscale_all_dim = rope_parameters.get("mscale_all_dim", 0)
-        scaling_factor = rope_parameters["factor"]
-        if mscale_all_dim:
-            mscale = yarn_get_mscale(scaling_factor, mscale_all_dim)
-            scaling = scaling * mscale * mscale
-    return scaling
+        self.rope_type = self.config.rope_parameters["rope_type"]
+        rope_init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(self.config)
+
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config, **kwargs) -> tuple[torch.Tensor, float]:
+        """
+        Computes the inverse frequencies according to the original RoPE implementation
+        Args:
+            config ([`~transformers.PreTrainedConfig`]):
+                The model configuration.
+        Returns:
+            Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
+            post-processing scaling factor applied to the computed cos/sin (unused in this type of RoPE).
+        """
+        base = config.rope_parameters["rope_theta"]
+        dim = (
+            getattr(config, "head_dim", None)
+            or config.hidden_size // config.num_attention_heads
+        )
+
+        attention_factor = 1.0  # Unused in this type of RoPE
+        # Compute the inverse frequencies
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, attention_factor
+
+    @torch.no_grad()
+    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
+    def forward(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(
+            device=x.device, dtype=torch.float
+        )
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 class YoutuMLP(nn.Module):
@@ -116,35 +161,110 @@ class YoutuMLP(nn.Module):
         return x
 
 
-class _FlatRope(nn.Module):
-    """Applies `rope` to [tokens, heads * dim] views of q and k, then restores their shapes."""
+def yarn_get_mscale(scale=1, mscale=1):
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
 
-    def __init__(self, rope: nn.Module) -> None:
-        super().__init__()
-        self.rope = rope
 
-    def forward(self, positions, q, k):
-        q_out, k_out = self.rope(
-            positions, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1)
-        )
-        return q_out.view(q.shape), k_out.view(k.shape)
+def yarn_apply_mscale(rope_parameters, scaling):
+    if rope_parameters.get("rope_type", "default") != "default":
+        mscale_all_dim = rope_parameters.get("mscale_all_dim", 0)
+        scaling_factor = rope_parameters["factor"]
+        if mscale_all_dim:
+            mscale = yarn_get_mscale(scaling_factor, mscale_all_dim)
+            scaling = scaling * mscale * mscale
+    return scaling
+
+
+def rotate_half(x):
+    """Rotates half the hidden dims of the input."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """Applies Rotary Position Embedding to the query and key tensors.
+
+    Args:
+        q (`torch.Tensor`): The query tensor.
+        k (`torch.Tensor`): The key tensor.
+        cos (`torch.Tensor`): The cosine part of the rotary embedding.
+        sin (`torch.Tensor`): The sine part of the rotary embedding.
+        unsqueeze_dim (`int`, *optional*, defaults to 1):
+            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
+            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
+            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
+            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
+            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
+            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
+    Returns:
+        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
+    """
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+
+
+def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    r"""
+    Applies interleaved Rotary Position Embedding to the query and key tensors.
+
+    DeepSeek lays the rotary dimensions out in interleaved pairs `(x0, x1), (x2, x3), ...`, each rotated by a
+    single frequency. We compute that rotation directly on the even/odd slices instead of de-interleaving with a
+    `view`/`transpose`/`reshape`; the output is bit-identical to the de-interleaved `rotate_half` formulation while
+    avoiding the extra contiguous copy.
+
+    Args:
+        q (`torch.Tensor`): The query tensor.
+        k (`torch.Tensor`): The key tensor.
+        cos (`torch.Tensor`): The cosine part of the rotary embedding.
+        sin (`torch.Tensor`): The sine part of the rotary embedding.
+        position_ids (`torch.Tensor`):
+            The position indices of the tokens corresponding to the query and key tensors. For example, this can be
+            used to pass offsetted position ids when working with a KV-cache.
+        unsqueeze_dim (`int`, *optional*, defaults to 1):
+            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
+            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
+            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
+            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
+            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
+            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
+    Returns:
+        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
+    """
+    # `cos`/`sin` are `cat(freqs, freqs)`; the first half holds the per-pair angle.
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    k1, k2 = k[..., 0::2], k[..., 1::2]
+
+    q_embed = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
+    k_embed = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
+    return q_embed, k_embed
 
 
 class YoutuAttention(nn.Module):
+    """Multi-headed Latent Attention (MLA) from Deepseek V2, with support for rope interleave."""
+
     def __init__(
         self,
         config,
-        layer_idx,
-        cache_config: CacheConfig | None = None,
+        layer_idx: int,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ) -> None:
+    ):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.attention_dropout = config.attention_dropout
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
+
         self.q_lora_rank = config.q_lora_rank
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.kv_lora_rank = config.kv_lora_rank
@@ -154,125 +274,201 @@ class YoutuAttention(nn.Module):
         self.num_key_value_groups = (
             config.num_attention_heads // config.num_key_value_heads
         )
+
         self.is_causal = True
-        self.scaling = yarn_apply_mscale(
-            config.rope_parameters, self.qk_head_dim ** (-0.5)
-        )
-        if self.q_lora_rank is not None:
-            # Fused: q_a_proj + kv_a_proj_with_mqa -> fused_qkv_a_proj (one replicated GEMM)
-            self.fused_qkv_a_proj = MergedColumnParallelLinear(
-                self.hidden_size,
-                [self.q_lora_rank, config.kv_lora_rank + config.qk_rope_head_dim],
-                bias=config.attention_bias,
-                disable_tp=True,
-                quant_config=quant_config,
-                prefix=f"{prefix}.fused_qkv_a_proj",
-            )
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=1e-6)
-            self.q_b_proj = ColumnParallelLinear(
-                self.q_lora_rank,
-                self.num_heads * self.qk_head_dim,
-                bias=False,
-                quant_config=quant_config,
-                prefix=f"{prefix}.q_b_proj",
-            )
-            self.kv_a_proj_with_mqa = None
-            self.q_proj = None
-        else:
-            self.fused_qkv_a_proj = self.q_a_layernorm = self.q_b_proj = None
-            self.kv_a_proj_with_mqa = ReplicatedLinear(
-                self.hidden_size,
-                config.kv_lora_rank + config.qk_rope_head_dim,
-                bias=config.attention_bias,
-                quant_config=quant_config,
-                prefix=f"{prefix}.kv_a_proj_with_mqa",
-            )
-            self.q_proj = ColumnParallelLinear(
+
+        self.q_proj = (
+            None
+            if self.q_lora_rank is not None
+            else ReplicatedLinear(
                 self.hidden_size,
                 self.num_heads * self.qk_head_dim,
                 bias=False,
                 quant_config=quant_config,
                 prefix=f"{prefix}.q_proj",
+                return_bias=False,
             )
+        )
+        self.q_a_proj = (
+            ReplicatedLinear(
+                self.hidden_size,
+                self.q_lora_rank,
+                bias=config.attention_bias,
+                quant_config=quant_config,
+                prefix=f"{prefix}.q_a_proj",
+                return_bias=False,
+            )
+            if self.q_lora_rank is not None
+            else None
+        )
+        self.q_a_layernorm = (
+            RMSNorm(self.q_lora_rank, eps=1e-6)
+            if self.q_lora_rank is not None
+            else None
+        )
+        self.q_b_proj = (
+            ReplicatedLinear(
+                self.q_lora_rank,
+                self.num_heads * self.qk_head_dim,
+                bias=False,
+                quant_config=quant_config,
+                prefix=f"{prefix}.q_b_proj",
+                return_bias=False,
+            )
+            if self.q_lora_rank is not None
+            else None
+        )
+
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            self.hidden_size,
+            config.kv_lora_rank + config.qk_rope_head_dim,
+            bias=config.attention_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.kv_a_proj_with_mqa",
+            return_bias=False,
+        )
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=1e-6)
-        self.kv_b_proj = ColumnParallelLinear(
+        self.kv_b_proj = ReplicatedLinear(
             config.kv_lora_rank,
             self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
             bias=False,
             quant_config=quant_config,
             prefix=f"{prefix}.kv_b_proj",
+            return_bias=False,
         )
-        self.o_proj = RowParallelLinear(
+
+        self.o_proj = ReplicatedLinear(
             self.num_heads * self.v_head_dim,
             self.hidden_size,
             bias=config.attention_bias,
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
-        )
-        if config.rope_parameters.get("rope_type", "default") != "default":
-            raise ValueError(
-                f"YoutuAttention: rope type {config.rope_parameters['rope_type']!r} for latent attention is not generated yet"
-            )
-        self.rotary_emb = _FlatRope(
-            get_rope(
-                self.qk_rope_head_dim,
-                max_position=config.max_position_embeddings,
-                rope_parameters=config.rope_parameters,
-                is_neox_style=not self.config.rope_interleave,
-            )
-        )
-        self.mla_attn = MultiHeadLatentAttentionWrapper(
-            self.hidden_size,
-            self.num_heads // get_tensor_model_parallel_world_size(),
-            self.scaling,
-            self.qk_nope_head_dim,
-            self.qk_rope_head_dim,
-            self.v_head_dim,
-            self.q_lora_rank if self.q_lora_rank is not None else None,
-            self.kv_lora_rank,
-            MLAModules(
-                kv_a_layernorm=self.kv_a_layernorm,
-                kv_b_proj=self.kv_b_proj,
-                rotary_emb=self.rotary_emb,
-                o_proj=self.o_proj,
-                fused_qkv_a_proj=self.fused_qkv_a_proj,
-                kv_a_proj_with_mqa=self.kv_a_proj_with_mqa,
-                q_a_layernorm=self.q_a_layernorm,
-                q_b_proj=self.q_b_proj,
-                q_proj=self.q_proj,
-                indexer=None,
-                is_sparse=False,
-                topk_indices_buffer=None,
-            ),
-            cache_config,
-            quant_config,
-            prefix,
+            return_bias=False,
         )
 
+        self.scaling = yarn_apply_mscale(
+            config.rope_parameters, self.qk_head_dim ** (-0.5)
+        )
+        # vLLM's paged attention serves this module's attention-interface call
+        cache_config = get_current_vllm_config().cache_config
+        sliding_window = None
+        if (
+            sliding_window is None
+            and cache_config is not None
+            and cache_config.sliding_window
+        ):
+            # the source attends fully here: keep vLLM from applying the model-level window
+            cache_config = shallow_copy(cache_config)
+            cache_config.sliding_window = None
+        self.attn = Attention(
+            self.num_heads,
+            self.qk_head_dim,
+            self.scaling,
+            num_kv_heads=config.num_key_value_heads,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            per_layer_sliding_window=sliding_window,
+            prefix=f"{prefix}.attn",
+        )
+
+    def expand_kv(
+        self, kv_nope: torch.Tensor, k_rot: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expands the compressed latents into key and value states. Args:
+            - kv_nope: key + value without positional encoding, shape [batch_size, 1, seqlen, self.kv_lora_rank]
+            - k_rot: shared key with positional encoding, shape [batch_size, 1, seqlen, self.qk_rope_head_dim]
+        Returns the key and value states, two tensors of shape [batch, num_heads, seq, (k or v)_head_dim].
+        """
+        batch_size, _, seq_length, _ = kv_nope.shape
+        key_shape = (
+            batch_size,
+            seq_length,
+            -1,
+            self.qk_nope_head_dim + self.v_head_dim,
+        )
+
+        kv_nope = self.kv_b_proj(kv_nope).view(key_shape).transpose(1, 2)
+        k_nope, value_states = torch.split(
+            kv_nope, [self.qk_nope_head_dim, self.v_head_dim], dim=-1
+        )
+        k_rot = k_rot.expand(
+            -1, k_nope.shape[1], -1, -1
+        )  # does not affect the underlying storage
+
+        # Concatenate k_nope and k_rot in a new tensor
+        key_states = kv_nope.new_empty(
+            *kv_nope.shape[:-1], self.qk_nope_head_dim + self.qk_rope_head_dim
+        )
+        key_states[..., : self.qk_nope_head_dim].copy_(k_nope)
+        key_states[..., self.qk_nope_head_dim :].copy_(k_rot)
+        return key_states, value_states
+
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor
-    ) -> torch.Tensor:
-        return self.mla_attn(positions, hidden_states)
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values=None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
+        batch_size, seq_length = hidden_states.shape[:-1]
+        query_shape = (batch_size, seq_length, -1, self.qk_head_dim)
+
+        if self.q_lora_rank is None:
+            q_states = self.q_proj(hidden_states)
+        else:
+            q_states = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q_states = q_states.view(query_shape).transpose(1, 2)
+        q_pass, q_rot = torch.split(
+            q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
+        )
+
+        compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
+        kv_nope, k_rot = torch.split(
+            compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+        )
+        kv_nope = self.kv_a_layernorm(kv_nope)
+        # Both latents are viewed as single-head, 4D tensors so all cache layers handle them correctly
+        kv_nope = kv_nope.view(batch_size, 1, seq_length, self.kv_lora_rank)
+        k_rot = k_rot.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
+
+        cos, sin = position_embeddings
+        if (
+            self.config.rope_interleave
+        ):  # support using interleaved weights for efficiency
+            q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+        else:
+            q_rot, k_rot = apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
+
+        query_states = torch.cat((q_pass, q_rot), dim=-1)
+
+        key_states, value_states = self.expand_kv(kv_nope, k_rot)
+
+        attn_output = vllm_attention(self.attn, query_states, key_states, value_states)
+
+        attn_output = attn_output.reshape(batch_size, seq_length, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+        return attn_output, None
 
 
 class YoutuDecoderLayer(nn.Module):
     def __init__(
         self,
         config,
-        cache_config: CacheConfig | None = None,
+        layer_idx: int,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ) -> None:
+    ):
         super().__init__()
-        layer_idx = extract_layer_index(prefix)
         self.hidden_size = config.hidden_size
+
         self.self_attn = YoutuAttention(
             config=config,
             layer_idx=layer_idx,
-            cache_config=cache_config,
             quant_config=quant_config,
             prefix=f"{prefix}.self_attn",
         )
+
         self.mlp = YoutuMLP(config, quant_config=quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(
@@ -281,40 +477,43 @@ class YoutuDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            # the previous layer's residual add, fused into this norm
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        # Self Attention
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        # Fully Connected
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states)
-        return hidden_states, residual
+        hidden_states = residual + hidden_states
+        return hidden_states
 
 
 @support_torch_compile
 class YoutuModel(nn.Module):
-    # checkpoint name -> (merged parameter, shard id), from the fusion records
-    hf_to_vllm_mapper = WeightsMapper(
-        orig_to_new_stacked={
-            ".self_attn.q_a_proj.": (".self_attn.fused_qkv_a_proj.", 0),
-            ".self_attn.kv_a_proj_with_mqa.": (".self_attn.fused_qkv_a_proj.", 1),
-            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
-            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
-        }
-    )
-
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
-        cache_config = vllm_config.cache_config
         quant_config = vllm_config.quant_config
         self.config = config
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
         if get_pp_group().is_first_rank or (
             config.tie_word_embeddings and get_pp_group().is_last_rank
         ):
@@ -330,7 +529,7 @@ class YoutuModel(nn.Module):
             config.num_hidden_layers,
             lambda prefix: YoutuDecoderLayer(
                 config,
-                cache_config=cache_config,
+                extract_layer_index(prefix),
                 quant_config=quant_config,
                 prefix=prefix,
             ),
@@ -340,8 +539,9 @@ class YoutuModel(nn.Module):
             self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         else:
             self.norm = PPMissingLayer()
+        self.rotary_emb = YoutuRotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states", "residual"], config.hidden_size
+            ["hidden_states"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -354,54 +554,42 @@ class YoutuModel(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        if get_pp_group().is_first_rank:
-            if inputs_embeds is not None:
-                hidden_states = inputs_embeds
-            else:
-                hidden_states = self.embed_input_ids(input_ids)
-            residual = None
-        else:
+        # vLLM runs every request's tokens as one sequence: a batch of one
+        input_ids = input_ids[None] if input_ids is not None else None
+        inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
+        position_ids = positions[None]
+        if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
-            hidden_states = intermediate_tensors["hidden_states"]
-            residual = intermediate_tensors["residual"]
-        for layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        if not get_pp_group().is_last_rank:
-            return IntermediateTensors(
-                {"hidden_states": hidden_states, "residual": residual}
+            hidden_states = intermediate_tensors["hidden_states"][None]
+        if get_pp_group().is_first_rank:
+            if inputs_embeds is None:
+                inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
+            hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=None,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
             )
-        # the last layer's residual add, fused into the final norm
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights, mapper=self._built_merges_mapper())
-
-    def _built_merges_mapper(self) -> WeightsMapper:
-        built = {name.rsplit(".", 1)[-1] for name, _ in self.named_modules()}
-        return WeightsMapper(
-            orig_to_new_stacked={
-                old: (new, shard)
-                for old, (
-                    new,
-                    shard,
-                ) in self.hf_to_vllm_mapper.orig_to_new_stacked.items()
-                if new.strip(".").rsplit(".", 1)[-1] in built
-            }
-        )
+        if not get_pp_group().is_last_rank:
+            return IntermediateTensors({"hidden_states": hidden_states[0]})
+        hidden_states = self.norm(hidden_states)
+        return (hidden_states)[0]
 
 
-class YoutuForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
+class YoutuForCausalLM(nn.Module, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {
-        "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-    }
-    embedding_modules = {
-        "embed_tokens": "input_embeddings",
-        "lm_head": "output_embeddings",
-    }
+    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    # checkpoint names transformers renames at load (its conversion mapping), and
+    # checkpoint name -> (merged parameter, shard id) from the fusion records
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+        }
+    )
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -412,6 +600,7 @@ class YoutuForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         self.model = YoutuModel(
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model")
         )
+        self.vocab_size = config.vocab_size
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(
                 config.vocab_size,
@@ -441,8 +630,18 @@ class YoutuForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        hidden_states = hidden_states[None]
+        hidden_states = hidden_states
+        # Only compute necessary logits, and do not upcast them to float if we are not computing the loss
+        slice_indices = slice(-0, None)
+        vocab_logits = self.logits_processor(
+            self.lm_head, (hidden_states[:, slice_indices, :])[0]
+        )
+        if vocab_logits is None:  # not the rank that samples
+            return None
+        logits = vocab_logits[None]
+        return (logits)[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights)
+        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
