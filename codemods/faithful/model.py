@@ -368,6 +368,7 @@ def _base_forward(roles: BaseRoles, ctx: Context) -> tuple[str, list[str]]:
     }
     func = simplify_function(func, {**known, **defaults}, not_none)
     func = bind_unfolded(func, {**known, **defaults})
+    func = func.with_changes(body=func.body.visit(_NoInputChecks()))
     stmts = [
         s
         for s in func.body.body
@@ -405,31 +406,49 @@ def _base_forward(roles: BaseRoles, ctx: Context) -> tuple[str, list[str]]:
             f"cannot generate: {info.name}'s layer loop carries no hidden states"
         )
 
-    # the pipeline split of the prelude, from its dataflow
+    # the pipeline split of the prelude, from its dataflow: a statement runs on the
+    # first rank only if it calls a module only the first rank builds (the embeddings),
+    # (re)computes the stream the loop carries, or reads what only such statements
+    # computed; everything else (rotary tables, shapes, per-layer inputs) runs on every
+    # rank. The stream's own names (`inputs_embeds`, ...) stand for the incoming hidden
+    # states on the other ranks (statements read them for a dtype or a shape).
+    first_modules = {a for a, where in roles.placement.items() if where.startswith("first")}
+    first_modules.add(roles.embed_attr.split(".")[0])
     needed = set(carried)
-    in_slice = [False] * len(prelude)
-    for i in range(len(prelude) - 1, -1, -1):
-        if stores(prelude[i]) & needed:
-            in_slice[i] = True
-            needed |= set(loads(prelude[i]))
-    tainted = {"input_ids", "inputs_embeds"}
+    for stmt in reversed(prelude):
+        if stores(stmt) & needed:
+            needed |= set(loads(stmt))
+    stream_names = (needed - params) | {"inputs_embeds"}
+    unavailable: set[str] = set()
     first_only = []
-    for i, s in enumerate(prelude):
-        if set(loads(s)) & tainted:
-            tainted |= stores(s)
-            first_only.append(in_slice[i])
-        else:
-            first_only.append(False)
-    first_names = set()
-    for s, only in zip(prelude, first_only):
+    for stmt in prelude:
+        calls_first = any(
+            a.attr.value in first_modules
+            for a in m.findall(stmt, m.Attribute(value=m.Name("self")))
+        )
+        only = bool(
+            calls_first
+            or stores(stmt) & set(carried)
+            or set(loads(stmt)) & unavailable
+        )
+        first_only.append(only)
         if only:
-            first_names |= stores(s)
-    every_reads = set()
-    for s, only in zip(prelude, first_only):
+            unavailable |= stores(stmt) - set(carried) - stream_names
+    every_reads = set(loads(loop)) | set(loads(cst.Module(body=post)))
+    for stmt, only in zip(prelude, first_only):
         if not only:
-            every_reads |= set(loads(s))
-    every_reads |= set(loads(loop)) | set(loads(cst.Module(body=post)))
-    aliases = sorted((first_names & every_reads | {"inputs_embeds"} & every_reads) - set(carried))
+            every_reads |= set(loads(stmt))
+    defined_first = set()
+    for stmt, only in zip(prelude, first_only):
+        if only:
+            defined_first |= stores(stmt)
+    aliases = sorted((defined_first & every_reads & stream_names) - set(carried))
+    missing = sorted((defined_first & every_reads) - stream_names - set(carried))
+    if missing:
+        raise CodemodError(
+            f"cannot generate: {info.name}.forward: pipeline stages after the first "
+            f"would need {missing[0]}, which only the first stage computes"
+        )
 
     lines: list[str] = [
         "# vLLM runs every request's tokens as one sequence: a batch of one",
@@ -509,6 +528,37 @@ class _NoStarKwargs(cst.CSTTransformer):
         if args:
             args[-1] = args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
         return updated.with_changes(args=args)
+
+
+class _NoInputChecks(cst.CSTTransformer):
+    """Branches of the base forward that only raise about its inputs (both or neither of
+    input_ids and inputs_embeds): vLLM's inputs never take them, and on later pipeline
+    stages the incoming hidden states stand in for the embeddings."""
+
+    @staticmethod
+    def _raising(block) -> bool:
+        return all(
+            m.matches(s, m.SimpleStatementLine([m.Raise()])) for s in block.body
+        )
+
+    def leave_If(self, original, updated: cst.If):
+        node = updated
+        if self._raising(node.body):
+            orelse = node.orelse
+            if orelse is None:
+                return cst.RemoveFromParent()
+            if isinstance(orelse, cst.If):
+                return orelse
+            return cst.FlattenSentinel(list(orelse.body.body))
+        if isinstance(node.orelse, cst.Else) and self._raising(node.orelse.body):
+            return node.with_changes(orelse=None)
+        return node
+
+    def leave_SimpleStatementLine(self, original, updated):
+        body = [s for s in updated.body if not m.matches(s, m.Expr(m.Name("None")))]
+        if not body:
+            return cst.RemoveFromParent()
+        return updated.with_changes(body=body)
 
 
 def _raises_only(stmt) -> bool:
