@@ -412,19 +412,20 @@ class BioGptModel(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            inputs_embeds = hidden_states
         attention_mask = None
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
-            batch_size, seq_length = inputs_embeds.size()[:-1]
+        batch_size, seq_length = inputs_embeds.size()[:-1]
         past_key_values_length = 0
+        if attention_mask is None:
+            # required mask seq length can be calculated via length of past cache
+            mask_seq_length = past_key_values_length + seq_length
+            attention_mask = torch.ones(
+                batch_size, mask_seq_length, device=inputs_embeds.device
+            )
         if get_pp_group().is_first_rank:
-            if attention_mask is None:
-                # required mask seq length can be calculated via length of past cache
-                mask_seq_length = past_key_values_length + seq_length
-                attention_mask = torch.ones(
-                    batch_size, mask_seq_length, device=inputs_embeds.device
-                )
             positions = self.embed_positions(
                 attention_mask, past_key_values_length, position_ids=position_ids
             )

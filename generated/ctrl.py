@@ -294,14 +294,9 @@ class CTRLModel(nn.Module):
         if get_pp_group().is_first_rank:
             if input_ids is not None:
                 inputs_embeds = self.w(input_ids)
-            elif inputs_embeds is None:
-                raise ValueError(
-                    "You have to specify either input_ids or inputs_embeds"
-                )
         device = inputs_embeds.device
         token_type_embeds = 0
-        if get_pp_group().is_first_rank:
-            inputs_embeds *= np.sqrt(self.d_model_size)
+        inputs_embeds *= np.sqrt(self.d_model_size)
         # `self.pos_encoding` won't be sent to the correct device and dtype along the model, so we do it manually.
         self.pos_encoding = self.pos_encoding.to(
             device=device, dtype=inputs_embeds.dtype

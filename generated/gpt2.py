@@ -344,30 +344,20 @@ class GPT2Model(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
-            input_shape = hidden_states
+            inputs_embeds = hidden_states
         past_key_values = None
         kwargs = {}
         kwargs.pop("output_attentions", None)
         kwargs.pop("output_hidden_states", None)
+        if input_ids is not None:
+            input_shape = input_ids.size()
+            input_ids = input_ids.view(-1, input_shape[-1])
+        elif inputs_embeds is not None:
+            input_shape = inputs_embeds.size()[:-1]
         if get_pp_group().is_first_rank:
-            if input_ids is not None and inputs_embeds is not None:
-                raise ValueError(
-                    "You cannot specify both input_ids and inputs_embeds at the same time"
-                )
-            elif input_ids is not None:
-                None
-                input_shape = input_ids.size()
-                input_ids = input_ids.view(-1, input_shape[-1])
-            elif inputs_embeds is not None:
-                input_shape = inputs_embeds.size()[:-1]
-            else:
-                raise ValueError(
-                    "You have to specify either input_ids or inputs_embeds"
-                )
             if inputs_embeds is None:
                 inputs_embeds = self.wte(input_ids)
-        position_embeds = self.wpe(position_ids)
-        if get_pp_group().is_first_rank:
+            position_embeds = self.wpe(position_ids)
             hidden_states = inputs_embeds + position_embeds.to(inputs_embeds.device)
             hidden_states = self.drop(hidden_states)
         output_shape = (-1,) + input_shape[1:] + (hidden_states.size(-1),)

@@ -400,8 +400,7 @@ class GPTBigCodeModel(nn.Module):
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.wte(input_ids)
-        position_embeds = self.wpe(position_ids)
-        if get_pp_group().is_first_rank:
+            position_embeds = self.wpe(position_ids)
             hidden_states = inputs_embeds + position_embeds.to(inputs_embeds.device)
             hidden_states = self.drop(hidden_states)
         output_shape = inputs_embeds.shape[:-1] + (hidden_states.size(-1),)

@@ -396,8 +396,7 @@ class GPTNeoModel(nn.Module):
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.wte(input_ids)
-        position_embeds = self.wpe(position_ids)
-        if get_pp_group().is_first_rank:
+            position_embeds = self.wpe(position_ids)
             hidden_states = inputs_embeds + position_embeds
         seq_length = inputs_embeds.shape[1]
         if get_pp_group().is_first_rank:

@@ -270,25 +270,16 @@ class OpenAIGPTModel(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
-            input_shape = hidden_states
+            inputs_embeds = hidden_states
+        if input_ids is not None:
+            input_shape = input_ids.size()
+            input_ids = input_ids.view(-1, input_shape[-1])
+        elif inputs_embeds is not None:
+            input_shape = inputs_embeds.size()[:-1]
         if get_pp_group().is_first_rank:
-            if input_ids is not None and inputs_embeds is not None:
-                raise ValueError(
-                    "You cannot specify both input_ids and inputs_embeds at the same time"
-                )
-            elif input_ids is not None:
-                None
-                input_shape = input_ids.size()
-                input_ids = input_ids.view(-1, input_shape[-1])
-            elif inputs_embeds is not None:
-                input_shape = inputs_embeds.size()[:-1]
-            else:
-                raise ValueError(
-                    "You have to specify either input_ids or inputs_embeds"
-                )
             if inputs_embeds is None:
                 inputs_embeds = self.tokens_embed(input_ids)
-        position_embeds = self.positions_embed(position_ids)
+            position_embeds = self.positions_embed(position_ids)
         token_type_embeds = 0
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds + position_embeds + token_type_embeds

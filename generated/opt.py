@@ -415,26 +415,28 @@ class OPTDecoder(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            inputs_embeds = hidden_states
+        if input_ids is not None:
+            input_ids = input_ids.view(-1, input_ids.shape[-1])
         if get_pp_group().is_first_rank:
-            if input_ids is not None:
-                input_ids = input_ids.view(-1, input_ids.shape[-1])
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
         past_seen_tokens = 0
         # The dense mask is only required to infer `position_ids`, while `attention_mask` must stay `None` when
         # unpadded, as `create_causal_mask` would otherwise never skip it in favor of sdpa's `is_causal` argument
         position_attention_mask = None
+        if position_attention_mask is None:
+            seq_length = past_seen_tokens + inputs_embeds.shape[1]
+            position_attention_mask = torch.ones(
+                inputs_embeds.shape[0], seq_length, device=inputs_embeds.device
+            )
         if get_pp_group().is_first_rank:
-            if position_attention_mask is None:
-                seq_length = past_seen_tokens + inputs_embeds.shape[1]
-                position_attention_mask = torch.ones(
-                    inputs_embeds.shape[0], seq_length, device=inputs_embeds.device
-                )
             pos_embeds = self.embed_positions(
                 position_attention_mask, past_seen_tokens, position_ids=position_ids
             )
-            if self.project_in is not None:
-                inputs_embeds = self.project_in(inputs_embeds)
+        if self.project_in is not None:
+            inputs_embeds = self.project_in(inputs_embeds)
+        if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds + pos_embeds.to(inputs_embeds.device)
         # decoder layers
         for idx, decoder_layer in enumerate(

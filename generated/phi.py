@@ -437,10 +437,12 @@ class PhiModel(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            inputs_embeds = hidden_states
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
-            inputs_embeds = self.embed_dropout(inputs_embeds)
+        inputs_embeds = self.embed_dropout(inputs_embeds)
+        if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):

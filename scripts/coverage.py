@@ -152,7 +152,9 @@ def markdown(rows: list[dict], files: dict[str, list[str]], seconds: float) -> s
                 )
             )
             parts = f"{len(r.get('fused', []))} / {len(r.get('unfused', []))}"
-            bfused = str(sum(1 for line in b.get("fused", []) if line.startswith("Fused:")))
+            bfused = str(
+                sum(1 for line in b.get("fused", []) if line.startswith("Fused:"))
+            )
             result = r["status"]
         else:
             verify = backend = parts = bfused = "-"
@@ -176,8 +178,8 @@ def markdown(rows: list[dict], files: dict[str, list[str]], seconds: float) -> s
         )
     lines += [
         "",
-        "\"fused / unfused\" counts the generated file's `Fused:` and `Unfused:` report",
-        "lines; \"backend fused\" counts the `Fused:` lines vLLM's Transformers backend",
+        '"fused / unfused" counts the generated file\'s `Fused:` and `Unfused:` report',
+        'lines; "backend fused" counts the `Fused:` lines vLLM\'s Transformers backend',
         "logged for the same checkpoint. `benchmarks/coverage.json` has every line of both.",
         "",
     ]
@@ -190,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-backend", action="store_true")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per file")
     parser.add_argument("--one", help=argparse.SUPPRESS)
-    parser.add_argument("--json", help="write the JSON here as well (default: benchmarks/coverage.json)")
+    parser.add_argument(
+        "--json", help="write the JSON here as well (default: benchmarks/coverage.json)"
+    )
     args = parser.parse_args(argv)
     if args.one:  # worker: one file, JSON on the last line
         print(json.dumps(run_one(args.one, not args.no_backend)))
@@ -222,12 +226,20 @@ def main(argv: list[str] | None = None) -> int:
                 tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 row = {"file": name, "status": "bug", "reason": tail[:300]}
         except subprocess.TimeoutExpired:
-            row = {"file": name, "status": "bug", "reason": f"timed out after {args.timeout} s"}
+            row = {
+                "file": name,
+                "status": "bug",
+                "reason": f"timed out after {args.timeout} s",
+            }
         rows.append(row)
         partial.write_text(json.dumps(rows, indent=1))
         print(
             f"[{i}/{len(files)}] {name}: {row['status']}"
-            + (f" ({row.get('reason', '')[:120]})" if row["status"] not in ("verified",) else "")
+            + (
+                f" ({row.get('reason', '')[:120]})"
+                if row["status"] not in ("verified",)
+                else ""
+            )
             + f" {time.time() - t0:.0f}s",
             flush=True,
         )
@@ -238,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.models and not args.json:
         out = Path(tempfile.gettempdir()) / "coverage.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"files": files, "rows": rows, "seconds": seconds}, indent=1))
+    out.write_text(
+        json.dumps({"files": files, "rows": rows, "seconds": seconds}, indent=1)
+    )
     print(f"wrote {out}" + ("" if args.models else f" and {OUT_MD}"))
     return 0
 

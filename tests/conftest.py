@@ -3,9 +3,11 @@ vLLM instance of the generated class loaded from the same safetensors."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,32 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def verify_in_one_process(targets: list[str], timeout: int = 1800) -> list[dict]:
+    """`verify` each target (a model type or a generated file) in one fresh process, one
+    engine at a time; its JSON result with the exit code under "code", in order."""
+    script = textwrap.dedent(f"""
+        import json
+        from codemods.verify import _safe_verify
+        for target in {targets!r}:
+            code, result = _safe_verify(target)
+            print("RESULT " + json.dumps({{"code": code, **result}}), flush=True)
+        """)
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    results = [
+        json.loads(line[len("RESULT ") :])
+        for line in run.stdout.splitlines()
+        if line.startswith("RESULT ")
+    ]
+    assert len(results) == len(targets), run.stderr[-3000:]
+    return results
 
 
 def edited_modeling_file(tmp_path: Path, name: str, old: str, new: str) -> Path:

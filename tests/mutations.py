@@ -1,7 +1,9 @@
 """Semantic mutations of real transformers modeling sources, and what each must end as.
 
 Each mutant is (id, model, old text, new text, expectation). Expectations:
-- ("refused", reason): `apply` exits 2 with that reason, nothing written;
+- ("refused", reason): the native layout refuses it with that reason; `apply` then
+  either exits 2 with it (nothing written) or falls back to the faithful tier, which
+  reports it (`Unfused: native layout ...`) and must verify equal;
 - ("equal", [refusal fragments]): generated (with exactly those refusals reported, the
   rest fused) and verified equal to the mutated source in real vLLM.
 Zero silently wrong models: there is no third outcome.

@@ -3,14 +3,10 @@ and verification must then fail. All copies run in one process (one vLLM import)
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, verify_in_one_process
 
 pytestmark = pytest.mark.engine
 
@@ -157,6 +153,59 @@ MUTATIONS = [
 ]
 
 
+# The faithful tier: each of its carried-over arguments and kept computations, off.
+MUTATIONS += [
+    (
+        "gpt2",
+        "faithful attention scaling dropped (per-layer 1/(layer+1) too)",
+        "self.head_dim,\n            self.scaling,\n            num_kv_heads=self.num_heads,",
+        "self.head_dim,\n            1.0,\n            num_kv_heads=self.num_heads,",
+    ),
+    (
+        "gpt2",
+        "learned position embeddings dropped",
+        "hidden_states = inputs_embeds + position_embeds.to(inputs_embeds.device)",
+        "hidden_states = inputs_embeds",
+    ),
+    (
+        "vaultgemma",
+        "faithful attention soft-cap dropped",
+        "logits_soft_cap=self.attn_logit_softcapping,",
+        "",
+    ),
+    (
+        "granite_swa",
+        "faithful attention window dropped",
+        "sliding_window = self.sliding_window\n",
+        "sliding_window = None\n",
+    ),
+    (
+        "granite_swa",
+        "faithful attention sinks dropped",
+        "sinks=self.sinks,",
+        "",
+    ),
+    (
+        "afmoe",
+        "faithful router's renormalisation dropped",
+        "top_scores = top_scores / denominator\n",
+        "",
+    ),
+    (
+        "bloom",
+        "own attention's ALiBi dropped",
+        "alibi_slopes=alibi_slopes(self.num_heads),",
+        "",
+    ),
+    (
+        "gpt_neo",
+        "own attention's local window dropped",
+        'sliding_window = config.window_size if self.attention_type == "local" else None',
+        "sliding_window = None",
+    ),
+]
+
+
 def test_verification_fails_for_each_feature_switched_off(tmp_path):
     paths = []
     for i, (model, name, old, new) in enumerate(MUTATIONS):
@@ -166,26 +215,7 @@ def test_verification_fails_for_each_feature_switched_off(tmp_path):
         folder.mkdir()
         (folder / f"{model}.py").write_text(original.replace(old, new))
         paths.append(str(folder / f"{model}.py"))
-    script = textwrap.dedent(f"""
-        import json
-        from codemods.verify import _safe_verify
-        for path in {paths!r}:
-            code, result = _safe_verify(path)
-            print("RESULT " + json.dumps({{"code": code, **result}}), flush=True)
-        """)
-    run = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    results = [
-        json.loads(line[7:])
-        for line in run.stdout.splitlines()
-        if line.startswith("RESULT ")
-    ]
-    assert len(results) == len(MUTATIONS), run.stderr[-3000:]
+    results = verify_in_one_process(paths)
     for (model, name, _, _), result in zip(MUTATIONS, results):
         assert result["ok"] is False, (model, name, result)
         if result["code"] == 1:  # it ran: the copy ran, and the numbers differ

@@ -52,14 +52,12 @@ def test_a_known_name_the_function_rebinds_is_not_folded():
 
 
 def test_folded_masks_and_their_methods_become_none():
-    out = _fold(
-        """
+    out = _fold("""
         def forward(self, x):
             mask = None.to(torch.bool)
             sub = mask[:, :3]
             return self.layer(x, mask=sub)
-        """
-    )
+        """)
     assert "self.layer(x, mask=None)" in out
 
 
@@ -79,7 +77,9 @@ def test_known_not_none_names_decide_their_tests():
 @pytest.fixture(scope="module")
 def faithful_llama(tmp_path_factory):
     out = tmp_path_factory.mktemp("faithful")
-    result = run_cli("codemods.apply", "modeling_llama.py", "--faithful", "--out", str(out))
+    result = run_cli(
+        "codemods.apply", "modeling_llama.py", "--faithful", "--out", str(out)
+    )
     assert result.returncode == 0, result.stderr
     return result.stderr, (out / "llama.py").read_text()
 
@@ -95,7 +95,9 @@ def test_faithful_llama_keeps_the_source_and_fuses_the_proven_parts(faithful_lla
         assert line in report
     # the rest as the source computes it, reported
     assert "Unfused: attention (LlamaAttention)" in report
-    assert "Unfused: native layout (LlamaForCausalLM): requested with --faithful" in report
+    assert (
+        "Unfused: native layout (LlamaForCausalLM): requested with --faithful" in report
+    )
     # the source's rotary code, its attention call handed to vLLM
     assert "class LlamaRotaryEmbedding(nn.Module):" in text
     assert "def apply_rotary_pos_emb(" in text
@@ -117,17 +119,27 @@ def test_an_attention_that_counts_all_heads_in_a_reshape_is_replicated(tmp_path)
         "attn_output = attn_output.reshape(*input_shape, self.config.num_attention_heads * self.head_dim).contiguous()",
     )
     result = run_cli(
-        "codemods.apply", str(path), "--faithful", "--trust-remote-code", "--out", str(tmp_path / "out")
+        "codemods.apply",
+        str(path),
+        "--faithful",
+        "--trust-remote-code",
+        "--out",
+        str(tmp_path / "out"),
     )
     assert result.returncode == 0, result.stderr
-    assert "Unfused: tensor parallel (LlamaAttention): replicated: sharded over 2 ranks it fails" in result.stderr
+    assert (
+        "Unfused: tensor parallel (LlamaAttention): replicated: sharded over 2 ranks it fails"
+        in result.stderr
+    )
     text = (tmp_path / "out" / "llama.py").read_text()
     assert "QKVParallelLinear(" not in text  # the merged projection would shard it
     assert "ReplicatedLinear(" in text
 
 
 def test_a_non_attention_mixer_is_out_of_scope_in_one_line():
-    result = run_cli("codemods.apply", "modeling_mamba.py", "--out", "/tmp/never-written")
+    result = run_cli(
+        "codemods.apply", "modeling_mamba.py", "--out", "/tmp/never-written"
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and "Traceback" not in result.stderr

@@ -1,0 +1,51 @@
+"""Real vLLM on faithful files: one model of each kind the faithful tier emits, at
+TP=1 (all in one process), and each kind at TP=2 or PP=2 (its engine in its own processes).
+
+Kinds: a faithful attention with QKV fused inside it (granite_swa: sinks, windows,
+multipliers; vLLM's Transformers backend gives wrong tokens on it), a faithful MoE block
+(afmoe: its own sigmoid router and shared experts, no TP plan), a parallel attention +
+MLP layer (phi), a GPT-2-style model (gpt2: learned positions, Conv1D, no TP plan), and
+a model's own eager attention (bloom: ALiBi; gpt_neo: windows on every other layer).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli, verify_in_one_process
+
+pytestmark = pytest.mark.engine
+
+KINDS = ["granite_swa", "afmoe", "phi", "gpt2"]
+TP1 = KINDS + ["bloom", "gpt_neo", "opt", "axk1"]
+
+
+def test_every_kind_verifies_at_tp1():
+    results = verify_in_one_process(TP1)
+    for model, result in zip(TP1, results):
+        assert result["ok"] is True, (model, result)
+        assert result["impl"].startswith(f"generated.{model}:"), (model, result)
+        assert result["unfused"] > 0  # faithful parts, reported
+        assert result["max_abs_logprob_diff"] <= 1e-4 and result["tokens_equal"]
+
+
+# One layout per kind here (each run starts two engine processes); the full grid, every
+# kind at TP=2 and at PP=2, is `python scripts/parallel_sweep.py`.
+@pytest.mark.parametrize(
+    "model, parallel",
+    [
+        ("granite_swa", ["--tp", "2"]),
+        ("afmoe", ["--pp", "2"]),
+        ("phi", ["--tp", "2"]),
+        ("gpt2", ["--pp", "2"]),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "".join(v).replace("--", ""),
+)
+def test_faithful_kinds_under_parallelism(model, parallel):
+    result = run_cli("codemods.verify", model, *parallel, timeout=1200)
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert result.returncode == 0 and out["ok"], out
+    assert out["impl"].startswith(f"generated.{model}:")
+    assert (out["tp"], out["pp"]) == ((2, 1) if parallel[0] == "--tp" else (1, 2))
