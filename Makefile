@@ -22,7 +22,7 @@ demo: install
 	$(PY) -m codemods.verify qwen3
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=40
 
 check: install
 	$(PY) -m codemods.apply modeling_qwen3.py --check
