@@ -14,10 +14,11 @@ def quiet_vllm_logging() -> None:
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         logging.getLogger("vllm").setLevel(logging.ERROR)
     # transformers' notes about the tiny configs the proofs build (token ids outside
-    # the shrunk vocabulary, rope fields) are not the user's business
-    try:
+    # the shrunk vocabulary, rope fields) are not the user's business; by its environment
+    # variable when it is not imported yet (importing it costs a warm `check` a second)
+    if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover
-        pass
+    else:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
