@@ -51,7 +51,18 @@ def generate(
             why = f"native analysis failed: {type(exc).__name__}: {exc}".splitlines()[0]
         if layout == "native":
             raise CodemodError(f"cannot generate the native layout: {why}")
-    model_plan, body = faithful.generate(source, trust_remote_code, why=why)
+    try:
+        model_plan, body = faithful.generate(source, trust_remote_code, why=why)
+    except CodemodError as exc:
+        message = str(exc)
+        if (
+            layout == "faithful"
+            or message.startswith("out of scope")
+            or why.startswith("cannot build a tiny")  # the same failure, said once
+        ):
+            raise
+        # both tiers' reasons, on one line: the faithful one is why nothing was written
+        raise CodemodError(f"{message} (and the native layout: {why})") from None
     return model_plan, render(model_plan, body)
 
 
@@ -61,7 +72,11 @@ def internal_error(exc: BaseException) -> str:
 
     frames = traceback.extract_tb(exc.__traceback__)
     where = next(
-        (f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames) if "codemods" in f.filename or "fusion_patterns" in f.filename),
+        (
+            f"{Path(f.filename).name}:{f.lineno}"
+            for f in reversed(frames)
+            if "codemods" in f.filename or "fusion_patterns" in f.filename
+        ),
         "?",
     )
     text = str(exc).splitlines()[0] if str(exc) else ""

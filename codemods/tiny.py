@@ -245,6 +245,26 @@ def _same_under_sdpa(model, config, ids, eager) -> None:
         raise ValueError("the source's eager and sdpa attention disagree")
 
 
+# A tiny model has at most tens of millions of parameters (a vocabulary or experts the
+# rules keep); a sub-config they do not shrink (BLT: 4.6 billion) would take hours.
+MAX_TINY_PARAMETERS = 200_000_000
+
+
+def _small_enough(causal_cls, config) -> None:
+    """Raise if the tiny config still builds a large model (counted on the meta device,
+    where building costs nothing)."""
+    try:
+        with torch.device("meta"):
+            size = sum(p.numel() for p in causal_cls(config).parameters())
+    except Exception:  # noqa: BLE001 - cannot build on meta: the real build decides
+        return
+    if size > MAX_TINY_PARAMETERS:
+        raise ValueError(
+            f"the tiny config still builds {size / 1e6:.0f}M parameters "
+            "(a size field the tiny rules do not shrink)"
+        )
+
+
 def working_values(causal_cls, overrides: dict | None = None) -> dict:
     """The first of `variants` whose model builds and runs a forward in transformers
     (the error of the plain tiny values when none does)."""
@@ -258,6 +278,7 @@ def working_values(causal_cls, overrides: dict | None = None) -> dict:
         try:
             config = config_cls(**values)
             config._attn_implementation = "eager"
+            _small_enough(causal_cls, config)
             torch.manual_seed(0)
             model = causal_cls(config).float().eval()
             ids = (torch.arange(7)[None] * 37) % VOCAB

@@ -18,6 +18,7 @@
 #   Unfused: module (AfmoeExperts): copied from the source
 #   Unfused: module (AfmoeTokenChoiceRouter): copied from the source
 #   Unfused: attention (AfmoeAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
+#   Unfused: torch.compile (AfmoeModel): off: AfmoeExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: AfmoeRMSNorm (AfmoeRMSNorm): the weight is not applied as a multiply after the cast back
 #   Refused: router + experts (AfmoeSparseMoeBlock): the router logits are not one linear of self.<weight>
 #   Refused: q/k/v projections (AfmoeAttention): no single output projection after attention
@@ -34,7 +35,6 @@ from torch import nn
 
 from transformers.activations import ACT2FN
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
@@ -573,7 +573,6 @@ class AfmoeDecoderLayer(nn.Module):
         return hidden_states
 
 
-@support_torch_compile
 class AfmoeModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

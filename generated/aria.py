@@ -20,6 +20,7 @@
 #   Unfused: module (AriaExperts): copied from the source
 #   Unfused: module (AriaTextTopKRouter): copied from the source
 #   Unfused: attention (AriaTextAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Unfused: torch.compile (AriaTextModel): off: AriaExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (AriaTextMoELayer): no experts class matched
 # ======================================================================================
 """Native vLLM implementation of AriaTextForCausalLM, generated from transformers/models/aria/modeling_aria.py."""
@@ -34,7 +35,6 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.core_model_loading import WeightRenaming
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
@@ -468,7 +468,6 @@ class AriaTextRotaryEmbedding(nn.Module):
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
-@support_torch_compile
 class AriaTextModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

@@ -25,6 +25,7 @@
 #   Unfused: module (AXK1Experts): copied from the source
 #   Unfused: attention (AXK1Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: latent attention (AXK1ForCausalLM): its attention is emitted from the source on vLLM's standard attention (expanded keys and values), so vLLM's MLA path must be off: VLLM_MLA_DISABLE=1
+#   Unfused: torch.compile (AXK1Model): off: AXK1Experts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (AXK1MoE): the block also builds self.shared_experts, not a dense MLP added to the output
 #   Refused: q/k/v projections (AXK1Attention): `.cat(...)` between a projection and attention
 # ======================================================================================
@@ -41,7 +42,6 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.core_model_loading import WeightRenaming
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
@@ -642,7 +642,6 @@ class AXK1DecoderLayer(nn.Module):
         return hidden_states
 
 
-@support_torch_compile
 class AXK1Model(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

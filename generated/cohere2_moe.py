@@ -19,6 +19,7 @@
 #   Unfused: module (Cohere2MoeExperts): copied from the source
 #   Unfused: module (Cohere2MoeTopKRouter): copied from the source
 #   Unfused: attention (Cohere2MoeAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
+#   Unfused: torch.compile (Cohere2MoeModel): off: Cohere2MoeExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: Cohere2MoeLayerNorm (Cohere2MoeLayerNorm): the weight is not applied as a multiply after the cast back
 #   Refused: router + experts (Cohere2MoeSparseMoeBlock): the router scores neither with a softmax nor a sigmoid
 # ======================================================================================
@@ -34,7 +35,6 @@ from torch import nn
 
 from transformers.activations import ACT2FN
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
@@ -559,7 +559,6 @@ class Cohere2MoeRotaryEmbedding(nn.Module):
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
-@support_torch_compile
 class Cohere2MoeModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

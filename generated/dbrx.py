@@ -17,6 +17,7 @@
 #   Unfused: module (DbrxNormAttentionNorm): copied from the source
 #   Unfused: attention (DbrxAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: module (DbrxRotaryEmbedding): copied from the source
+#   Unfused: torch.compile (DbrxModel): off: DbrxExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: q/k/v projections (DbrxAttention): `query_states` between a projection and attention
 # ======================================================================================
 """Native vLLM implementation of DbrxForCausalLM, generated from transformers/models/dbrx/modeling_dbrx.py."""
@@ -30,7 +31,6 @@ from torch import nn
 
 from transformers.activations import ACT2FN
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
@@ -501,7 +501,6 @@ class DbrxBlock(nn.Module):
         return hidden_states
 
 
-@support_torch_compile
 class DbrxModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

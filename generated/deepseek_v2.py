@@ -23,6 +23,7 @@
 #   Unfused: module (DeepseekV2Experts): copied from the source
 #   Unfused: attention (DeepseekV2Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: latent attention (DeepseekV2ForCausalLM): its attention is emitted from the source on vLLM's standard attention (expanded keys and values), so vLLM's MLA path must be off: VLLM_MLA_DISABLE=1
+#   Unfused: torch.compile (DeepseekV2Model): off: DeepseekV2Experts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (DeepseekV2Moe): the router's top-k is not `torch.topk(..., self.<k>)`, once or per group
 #   Refused: q/k/v projections (DeepseekV2Attention): `.cat(...)` between a projection and attention
 # ======================================================================================
@@ -38,7 +39,6 @@ from torch import nn
 
 from transformers.activations import ACT2FN
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
@@ -596,7 +596,6 @@ class DeepseekV2DecoderLayer(nn.Module):
         return hidden_states
 
 
-@support_torch_compile
 class DeepseekV2Model(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

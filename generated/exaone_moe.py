@@ -23,6 +23,7 @@
 #   Unfused: module (ExaoneMoeTopkRouter): copied from the source
 #   Unfused: module (ExaoneMoeExperts): copied from the source
 #   Unfused: attention (ExaoneMoeAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window if self.is_sliding else None)
+#   Unfused: torch.compile (ExaoneMoeModel): off: ExaoneMoeExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 # ======================================================================================
 """Native vLLM implementation of ExaoneMoeForCausalLM, generated from transformers/models/exaone_moe/modeling_exaone_moe.py."""
 
@@ -37,7 +38,6 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.core_model_loading import WeightRenaming
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
@@ -532,7 +532,6 @@ class ExaoneMoeRotaryEmbedding(nn.Module):
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
-@support_torch_compile
 class ExaoneMoeModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

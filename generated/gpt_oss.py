@@ -17,6 +17,7 @@
 #   Unfused: module (GptOssExperts): copied from the source
 #   Unfused: module (GptOssTopKRouter): copied from the source
 #   Unfused: attention (GptOssAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window, sinks=self.sinks)
+#   Unfused: torch.compile (GptOssModel): off: GptOssExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: GptOssRMSNorm (GptOssRMSNorm): the weight is not applied as a multiply after the cast back
 #   Refused: router + experts (GptOssMLP): no experts class matched
 # ======================================================================================
@@ -29,7 +30,6 @@ from itertools import islice
 import torch
 from torch import nn
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
@@ -431,7 +431,6 @@ class GptOssDecoderLayer(nn.Module):
         return hidden_states
 
 
-@support_torch_compile
 class GptOssModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

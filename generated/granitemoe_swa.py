@@ -20,6 +20,7 @@
 #   Unfused: module (GraniteMoeSWAExperts): copied from the source
 #   Unfused: module (GraniteMoeSWATopKRouter): copied from the source
 #   Unfused: attention (GraniteMoeSWAAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window, sinks=self.sinks)
+#   Unfused: torch.compile (GraniteMoeSWAModel): off: GraniteMoeSWAExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (GraniteMoeSWAMoE): no router class matched
 # ======================================================================================
 """Native vLLM implementation of GraniteMoeSWAForCausalLM, generated from transformers/models/granitemoe_swa/modeling_granitemoe_swa.py."""
@@ -33,7 +34,6 @@ from torch import nn
 
 from transformers.activations import ACT2FN
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
@@ -496,7 +496,6 @@ class GraniteMoeSWARotaryEmbedding(nn.Module):
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
-@support_torch_compile
 class GraniteMoeSWAModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

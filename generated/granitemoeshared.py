@@ -20,6 +20,7 @@
 #   Unfused: module (GraniteMoeSharedExperts): copied from the source
 #   Unfused: module (GraniteMoeSharedTopKRouter): copied from the source
 #   Unfused: attention (GraniteMoeSharedAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Unfused: torch.compile (GraniteMoeSharedModel): off: GraniteMoeSharedExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (GraniteMoeSharedMoE): no router class matched
 # ======================================================================================
 """Native vLLM implementation of GraniteMoeSharedForCausalLM, generated from transformers/models/granitemoeshared/modeling_granitemoeshared.py."""
@@ -34,7 +35,6 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.core_model_loading import WeightRenaming
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
@@ -473,7 +473,6 @@ class GraniteMoeSharedRotaryEmbedding(nn.Module):
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
-@support_torch_compile
 class GraniteMoeSharedModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

@@ -22,6 +22,7 @@
 #   Unfused: module (HunYuanMoEV1Experts): copied from the source
 #   Unfused: module (HunYuanMoEV1Gate): copied from the source
 #   Unfused: attention (HunYuanMoEV1Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Unfused: torch.compile (HunYuanMoEV1Model): off: HunYuanMoEV1Experts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (HunYuanMoEV1Moe): the router logits are not one linear of self.<weight>
 # ======================================================================================
 """Native vLLM implementation of HunYuanMoEV1ForCausalLM, generated from transformers/models/hunyuan_v1_moe/modeling_hunyuan_v1_moe.py."""
@@ -36,7 +37,6 @@ from torch import nn
 
 from transformers.activations import ACT2FN
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
@@ -498,7 +498,6 @@ class HunYuanMoEV1RotaryEmbedding(nn.Module):
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
-@support_torch_compile
 class HunYuanMoEV1Model(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

@@ -22,6 +22,7 @@
 #   Unfused: module (LagunaTopKRouter): copied from the source
 #   Unfused: module (LagunaExperts): copied from the source
 #   Unfused: attention (LagunaAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
+#   Unfused: torch.compile (LagunaModel): off: LagunaExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (LagunaSparseMoeBlock): the block also builds self.shared_experts, not a dense MLP added to the output
 #   Refused: q/k/v projections (LagunaAttention): no single output projection after attention
 # ======================================================================================
@@ -38,7 +39,6 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.core_model_loading import WeightRenaming
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
@@ -579,7 +579,6 @@ class LagunaDecoderLayer(nn.Module):
         return hidden_states
 
 
-@support_torch_compile
 class LagunaModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

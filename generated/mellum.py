@@ -22,6 +22,7 @@
 #   Unfused: module (MellumTopKRouter): copied from the source
 #   Unfused: module (MellumExperts): copied from the source
 #   Unfused: attention (MellumAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
+#   Unfused: torch.compile (MellumModel): off: MellumExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 # ======================================================================================
 """Native vLLM implementation of MellumForCausalLM, generated from transformers/models/mellum/modeling_mellum.py."""
 
@@ -35,7 +36,6 @@ from torch import nn
 
 from transformers.activations import ACT2FN
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
@@ -518,7 +518,6 @@ class MellumDecoderLayer(nn.Module):
         return hidden_states
 
 
-@support_torch_compile
 class MellumModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

@@ -19,6 +19,7 @@
 #   Unfused: module (MiMoV2FlashTopkRouter): copied from the source
 #   Unfused: module (MiMoV2FlashExperts): copied from the source
 #   Unfused: attention (MiMoV2FlashAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window, sinks=self.sinks)
+#   Unfused: torch.compile (MiMoV2FlashModel): off: MiMoV2FlashExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: q/k/v projections (MiMoV2FlashAttention): `self.v_proj(hidden_states).view(v_hidden_shape).transpose(1, 2) * self.v_scale` between a projection and attention
 # ======================================================================================
 """Native vLLM implementation of MiMoV2FlashForCausalLM, generated from transformers/models/mimo_v2_flash/modeling_mimo_v2_flash.py."""
@@ -34,7 +35,6 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.core_model_loading import WeightRenaming
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
@@ -587,7 +587,6 @@ class MiMoV2FlashDecoderLayer(nn.Module):
         return hidden_states
 
 
-@support_torch_compile
 class MiMoV2FlashModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

@@ -20,6 +20,7 @@
 #   Unfused: module (MiniMaxM2Experts): copied from the source
 #   Unfused: module (MiniMaxM2TopKRouter): copied from the source
 #   Unfused: attention (MiniMaxM2Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Unfused: torch.compile (MiniMaxM2Model): off: MiniMaxM2Experts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (MiniMaxM2SparseMoeBlock): MiniMaxM2SparseMoeBlock as FusedMoE (renormalize=True): the fused form differs (max rel err 6.5e-01 > 1e-05)
 # ======================================================================================
 """Native vLLM implementation of MiniMaxM2ForCausalLM, generated from transformers/models/minimax_m2/modeling_minimax_m2.py."""
@@ -35,7 +36,6 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.core_model_loading import WeightRenaming
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
@@ -439,7 +439,6 @@ class MiniMaxM2DecoderLayer(nn.Module):
         return hidden_states
 
 
-@support_torch_compile
 class MiniMaxM2Model(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

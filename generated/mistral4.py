@@ -21,6 +21,7 @@
 #   Unfused: module (Mistral4TopkRouter): copied from the source
 #   Unfused: module (Mistral4Experts): copied from the source
 #   Unfused: attention (Mistral4Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Unfused: torch.compile (Mistral4Model): off: Mistral4Experts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (Mistral4MoE): Mistral4MoE as FusedMoE (renormalize=True): the fused form differs (max rel err 7.1e-01 > 1e-05)
 #   Refused: q/k/v projections (Mistral4Attention): `torch.cat((q_pass, q_rot), dim=-1) * get_llama_4_attn_scale( position_ids, self.config.rope_parameters.get("llama_4_scaling_beta"), self.config.rope_parameters.get("original_max_position_embeddings"), ).to(torch.cat((q_pass, q_rot), dim=-1).dtype)` between a projection and attention
 # ======================================================================================
@@ -35,7 +36,6 @@ from torch import nn
 
 from transformers.activations import ACT2FN
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
@@ -669,7 +669,6 @@ class Mistral4DecoderLayer(nn.Module):
         return hidden_states
 
 
-@support_torch_compile
 class Mistral4Model(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

@@ -16,6 +16,7 @@
 #   Unfused: module (PhimoeExperts): copied from the source
 #   Unfused: module (PhimoeTopKRouter): copied from the source
 #   Unfused: attention (PhimoeAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=config.sliding_window)
+#   Unfused: torch.compile (PhimoeModel): off: PhimoeExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (PhimoeSparseMoeBlock): no router class matched
 # ======================================================================================
 """Native vLLM implementation of PhimoeForCausalLM, generated from transformers/models/phimoe/modeling_phimoe.py."""
@@ -31,7 +32,6 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.core_model_loading import WeightRenaming
 
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
@@ -618,7 +618,6 @@ class PhimoeDecoderLayer(nn.Module):
         return hidden_states
 
 
-@support_torch_compile
 class PhimoeModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

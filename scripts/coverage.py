@@ -5,7 +5,8 @@ installed transformers, generated and verified, next to vLLM's Transformers back
     python scripts/coverage.py --models llama,gpt2   # some model types
     python scripts/coverage.py --no-backend          # skip the backend comparison
 
-For each file, in its own process (a crash or a hang costs that row only): `apply`
+For each file, in a worker process of a few files (a crash or a hang costs a rerun of
+that worker's unfinished files, each alone, and then that row only): `apply`
 into a temporary folder (in scope or not, and why; native or faithful layout; fused,
 unfused and refused parts), `verify` at TP=1 with the variant features on (real vLLM,
 the generated class asserted to have run), and vLLM's Transformers backend on the same
@@ -23,6 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -191,13 +193,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", help="comma-separated model types (default: all)")
     parser.add_argument("--no-backend", action="store_true")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per file")
-    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=8,
+        help="files per worker process (one import of torch and vLLM each); a worker "
+        "that dies or hangs costs its unfinished files a rerun each in its own process",
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument(
         "--json", help="write the JSON here as well (default: benchmarks/coverage.json)"
     )
     args = parser.parse_args(argv)
-    if args.one:  # worker: one file, JSON on the last line
-        print(json.dumps(run_one(args.one, not args.no_backend)))
+    if args.worker:  # worker: some files, one JSON row per line
+        for name in args.worker.split(","):
+            print("ROW " + json.dumps(run_one(name, not args.no_backend)), flush=True)
         return 0
 
     files = causal_lm_files()
@@ -208,50 +218,73 @@ def main(argv: list[str] | None = None) -> int:
             for f, types in files.items()
             if wanted & set(types) or f[len("modeling_") : -3] in wanted
         }
-    rows: list[dict] = []
+    names = sorted(files)
+    rows: dict[str, dict] = {}
     start = time.time()
     partial = Path(tempfile.gettempdir()) / "coverage.partial.json"
-    for i, name in enumerate(sorted(files), 1):
-        t0 = time.time()
-        cmd = [sys.executable, __file__, "--one", name]
-        if args.no_backend:
-            cmd.append("--no-backend")
-        try:
-            proc = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=args.timeout, cwd=REPO
-            )
-            last = (proc.stdout.strip().splitlines() or [""])[-1]
-            row = json.loads(last) if last.startswith("{") else None
-            if row is None:
-                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                row = {"file": name, "status": "bug", "reason": tail[:300]}
-        except subprocess.TimeoutExpired:
-            row = {
-                "file": name,
-                "status": "bug",
-                "reason": f"timed out after {args.timeout} s",
-            }
-        rows.append(row)
-        partial.write_text(json.dumps(rows, indent=1))
+
+    def report(row: dict, seconds: float) -> None:
+        rows[row["file"]] = row
+        partial.write_text(json.dumps(list(rows.values()), indent=1))
         print(
-            f"[{i}/{len(files)}] {name}: {row['status']}"
+            f"[{len(rows)}/{len(names)}] {row['file']}: {row['status']}"
             + (
-                f" ({row.get('reason', '')[:120]})"
-                if row["status"] not in ("verified",)
+                f" ({(row.get('reason') or (row.get('verify') or {}).get('error') or '')[:120]})"
+                if row["status"] != "verified"
                 else ""
             )
-            + f" {time.time() - t0:.0f}s",
+            + f" {seconds:.0f}s",
             flush=True,
         )
+
+    def work(batch: list[str]) -> None:
+        cmd = [sys.executable, __file__, "--worker", ",".join(batch)]
+        if args.no_backend:
+            cmd.append("--no-backend")
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+        )
+        # stderr drained on its own thread: vLLM logs enough to fill a pipe
+        err: list[str] = []
+        drain = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+        drain.start()
+        timer = threading.Timer(args.timeout * len(batch), proc.kill)
+        timer.start()
+        t0 = time.time()
+        for line in proc.stdout:
+            if line.startswith("ROW "):
+                report(json.loads(line[4:]), time.time() - t0)
+                t0 = time.time()
+        proc.wait()
+        timer.cancel()
+        drain.join(timeout=5)
+        left = [n for n in batch if n not in rows]
+        if not left:
+            return
+        if len(batch) > 1:  # rerun each alone: the crash or hang is one file's
+            for name in left:
+                work([name])
+            return
+        reason = (
+            f"timed out after {args.timeout} s"
+            if proc.returncode in (-9, 137)
+            else ((("".join(err)).strip().splitlines() or ["no output"])[-1][:300])
+        )
+        report({"file": left[0], "status": "bug", "reason": reason}, time.time() - t0)
+
+    for i in range(0, len(names), args.batch):
+        work(names[i : i + args.batch])
+    rows = {n: rows[n] for n in names}  # in file order
+    rows_list = list(rows.values())
     seconds = time.time() - start
     if not args.models:
-        OUT_MD.write_text(markdown(rows, files, seconds))
+        OUT_MD.write_text(markdown(rows_list, files, seconds))
     out = Path(args.json) if args.json else OUT_JSON
     if args.models and not args.json:
         out = Path(tempfile.gettempdir()) / "coverage.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
-        json.dumps({"files": files, "rows": rows, "seconds": seconds}, indent=1)
+        json.dumps({"files": files, "rows": rows_list, "seconds": seconds}, indent=1)
     )
     print(f"wrote {out}" + ("" if args.models else f" and {OUT_MD}"))
     return 0

@@ -58,7 +58,9 @@ class AttentionSpec:
     # a model's own attention core (eager_attention.py) instead of the interface call
     eager: object = None
     key_transposed: bool = False
-    out_layout: str = "heads"  # the core's output: [1, heads, tokens, d] or tokens first
+    out_layout: str = (
+        "heads"  # the core's output: [1, heads, tokens, d] or tokens first
+    )
     out_dims: int = 4
     container: str | None = None  # the helper method returns a list / tuple
     arity: int = 1
@@ -173,7 +175,9 @@ def _int_candidates(info: ClassInfo, instance, config_param, preferred) -> list[
     out += [
         n
         for n in sorted(local, key=rank)
-        if rank(n)[0] < 2 and isinstance(local[n], int) and not isinstance(local[n], bool)
+        if rank(n)[0] < 2
+        and isinstance(local[n], int)
+        and not isinstance(local[n], bool)
         and n != "self"
     ]
     if config_param:
@@ -322,21 +326,17 @@ def infer(
 
     # the scale: the argument it passes, else the default 1/sqrt(head size)
     scale_kw = next((k for k in SCALE_KWARGS if k in first.kwargs), None)
-    scales = [
-        c.kwargs.get(scale_kw) if scale_kw else None for c in calls
-    ]
+    scales = [c.kwargs.get(scale_kw) if scale_kw else None for c in calls]
     if scale_kw is None or all(s is None for s in scales):
         scale_expr = f"{_atom(size_expr)} ** -0.5"
-        scales = [s ** -0.5 for s in size]
+        scales = [s**-0.5 for s in size]
     else:
         if any(isinstance(s, torch.Tensor) for s in scales):
             raise CodemodError(
                 f"cannot generate: {info.name} passes a tensor as its attention scale"
             )
         src = kw_exprs.get(scale_kw)
-        scale_expr = (
-            _expression_for([src], scales, envs) if src is not None else None
-        )
+        scale_expr = _expression_for([src], scales, envs) if src is not None else None
         if scale_expr is None:
             scale_expr = _expression_for(
                 [f"self.{a}" for a in info.attrs if "scal" in a], scales, envs
@@ -423,7 +423,9 @@ def infer(
                 f"function by {err / ref:.2e} (relative)"
             )
 
-    q_attrs, kv_attrs = head_count_attrs(info, inst, heads_expr, kv_expr, heads[0], kv[0])
+    q_attrs, kv_attrs = head_count_attrs(
+        info, inst, heads_expr, kv_expr, heads[0], kv[0]
+    )
     head_attrs = q_attrs + kv_attrs
     attr = "attn" if "attn" not in info.attrs else "vllm_attn"
     return AttentionSpec(

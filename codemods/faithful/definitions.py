@@ -116,7 +116,9 @@ def free_names(text: str) -> set[str]:
     except cst.ParserSyntaxError as exc:  # an emitter bug: keep the text to look at
         import tempfile
 
-        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False, prefix="faithful-") as f:
+        with tempfile.NamedTemporaryFile(
+            "w", suffix=".py", delete=False, prefix="faithful-"
+        ) as f:
             f.write(text)
         raise CodemodError(
             f"internal error: emitted code does not parse ({exc.message.splitlines()[0]} "
@@ -148,7 +150,9 @@ def _decorator_name(dec: cst.Decorator) -> str:
     return code(target)
 
 
-def closure(defs: Definitions, text: str, emitted: set[str]) -> tuple[list[str], list[str]]:
+def closure(
+    defs: Definitions, text: str, emitted: set[str]
+) -> tuple[list[str], list[str]]:
     """(definitions to copy, in source order; import lines) for the free names of
     `text`. `emitted`: names the generated file defines itself."""
     wanted: list[str] = []
@@ -190,7 +194,9 @@ def copied_text(defs: Definitions, names: list[str]) -> list[str]:
 
 
 def is_relative_sibling(line: str, source: ModelSource) -> bool:
-    return not source.in_transformers and ".models." in line and source.model_type in line
+    return (
+        not source.in_transformers and ".models." in line and source.model_type in line
+    )
 
 
 def uses(node: cst.CSTNode, name: str) -> bool:

@@ -47,7 +47,11 @@ def _is_matmul(node) -> bool:
         return True
     if isinstance(node, cst.Call):
         func = node.func
-        name = func.attr.value if isinstance(func, cst.Attribute) else getattr(func, "value", None)
+        name = (
+            func.attr.value
+            if isinstance(func, cst.Attribute)
+            else getattr(func, "value", None)
+        )
         return name in _MATMUL_NAMES
     return False
 
@@ -55,7 +59,9 @@ def _is_matmul(node) -> bool:
 def _matmuls(node) -> list:
     return [
         n
-        for n in m.findall(node, m.Call() | m.BinaryOperation(operator=m.MatrixMultiply()))
+        for n in m.findall(
+            node, m.Call() | m.BinaryOperation(operator=m.MatrixMultiply())
+        )
         if _is_matmul(n)
     ]
 
@@ -63,7 +69,11 @@ def _matmuls(node) -> list:
 def _has_softmax(node) -> bool:
     for call in m.findall(node, m.Call()):
         func = call.func
-        name = func.attr.value if isinstance(func, cst.Attribute) else getattr(func, "value", None)
+        name = (
+            func.attr.value
+            if isinstance(func, cst.Attribute)
+            else getattr(func, "value", None)
+        )
         if name in ("softmax", "Softmax"):
             return True
         if isinstance(func, cst.Call) and m.matches(
@@ -79,11 +89,19 @@ def _operands(node) -> list[cst.BaseExpression]:
         return [node.left, node.right]
     kw = {a.keyword.value: a.value for a in node.args if a.keyword is not None}
     pos = [a.value for a in node.args if a.keyword is None]
-    name = node.func.attr.value if isinstance(node.func, cst.Attribute) else node.func.value
+    name = (
+        node.func.attr.value
+        if isinstance(node.func, cst.Attribute)
+        else node.func.value
+    )
     if name == "baddbmm":
         if "batch1" in kw:
             return [kw["batch1"], kw["batch2"]]
-        return pos[-2:] if isinstance(node.func, cst.Attribute) and len(pos) == 2 else pos[1:3]
+        return (
+            pos[-2:]
+            if isinstance(node.func, cst.Attribute) and len(pos) == 2
+            else pos[1:3]
+        )
     return pos[:2]
 
 
@@ -125,12 +143,17 @@ def find(info: ClassInfo) -> EagerCore | None:
     methods = {
         s.name.value: s
         for s in info.node.body.body
-        if isinstance(s, cst.FunctionDef) and s.name.value not in ("forward", "__init__")
+        if isinstance(s, cst.FunctionDef)
+        and s.name.value not in ("forward", "__init__")
     }
     for name, func in methods.items():
-        if _has_softmax(func) and len(_matmuls(func)) >= 2 and m.findall(
-            info.forward,
-            m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(name))),
+        if (
+            _has_softmax(func)
+            and len(_matmuls(func)) >= 2
+            and m.findall(
+                info.forward,
+                m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(name))),
+            )
         ):
             return EagerCore(kind="method", method=name)
     regions = _inline(info.forward.body)
@@ -162,12 +185,8 @@ def _inline(block) -> list:
                 continue
         if not _has_softmax(stmt):
             continue
-        start = next(
-            (j for j in range(i, -1, -1) if _matmuls(stmts[j])), None
-        )
-        end = next(
-            (j for j in range(i + 1, len(stmts)) if _matmuls(stmts[j])), None
-        )
+        start = next((j for j in range(i, -1, -1) if _matmuls(stmts[j])), None)
+        end = next((j for j in range(i + 1, len(stmts)) if _matmuls(stmts[j])), None)
         if start is None or end is None or start == i:
             continue
         first = _matmuls(stmts[start])[0]
@@ -177,7 +196,8 @@ def _inline(block) -> list:
         v = _base_name(ops[1])
         target = stmts[end]
         if not m.matches(
-            target, m.SimpleStatementLine([m.Assign(targets=[m.AssignTarget(m.Name())])])
+            target,
+            m.SimpleStatementLine([m.Assign(targets=[m.AssignTarget(m.Name())])]),
         ):
             continue
         out = target.body[0].targets[0].target.value
@@ -209,7 +229,9 @@ def instrumented(pymodule, cls, core: EagerCore, info: ClassInfo, sink: list):
                     k=tensors[1].detach().clone(),
                     v=tensors[2].detach().clone(),
                     out=first.detach().clone(),
-                    container=type(out).__name__ if isinstance(out, (tuple, list)) else None,
+                    container=(
+                        type(out).__name__ if isinstance(out, (tuple, list)) else None
+                    ),
                     arity=len(out) if isinstance(out, (tuple, list)) else 1,
                 )
             )
@@ -225,10 +247,14 @@ def instrumented(pymodule, cls, core: EagerCore, info: ClassInfo, sink: list):
     # inline: the forward re-compiled with recording calls around each core
     marks = {}
     for i, r in enumerate(core.regions):
-        marks[id(r.start)] = ("enter", cst.parse_statement(
-            f"__codemods_enter(self, {i}, {r.q}, {r.k}, {r.v})\n"
-        ))
-        marks[id(r.end)] = ("leave", cst.parse_statement(f"__codemods_leave(self, {i}, {r.out})\n"))
+        marks[id(r.start)] = (
+            "enter",
+            cst.parse_statement(f"__codemods_enter(self, {i}, {r.q}, {r.k}, {r.v})\n"),
+        )
+        marks[id(r.end)] = (
+            "leave",
+            cst.parse_statement(f"__codemods_leave(self, {i}, {r.out})\n"),
+        )
 
     class _Wrap(cst.CSTTransformer):
         def leave_IndentedBlock(self, original, updated):
@@ -247,7 +273,11 @@ def instrumented(pymodule, cls, core: EagerCore, info: ClassInfo, sink: list):
 
     def enter_fn(self, region, q, k, v):
         pending[id(self)] = dict(
-            module=self, region=region, q=q.detach().clone(), k=k.detach().clone(), v=v.detach().clone()
+            module=self,
+            region=region,
+            q=q.detach().clone(),
+            k=k.detach().clone(),
+            v=v.detach().clone(),
         )
 
     def leave_fn(self, region, out):
@@ -280,7 +310,9 @@ def _heads_layout(t, tokens: int):
     return None
 
 
-def infer(info: ClassInfo, core: EagerCore, records: list[dict], config, pymodule, tokens: int):
+def infer(
+    info: ClassInfo, core: EagerCore, records: list[dict], config, pymodule, tokens: int
+):
     """The vLLM Attention arguments reproducing the source's own attention core."""
     if not records:
         raise CodemodError(
@@ -360,7 +392,11 @@ def infer(info: ClassInfo, core: EagerCore, records: list[dict], config, pymodul
             windows = []
             for (rec, q4, k4, v4, o4, _, _), env in zip(cases, envs):
                 scale = _eval(cand, env)
-                slopes = _eval(alibi_text, {**env, **ALIBI_FUNCTIONS}) if alibi_text else None
+                slopes = (
+                    _eval(alibi_text, {**env, **ALIBI_FUNCTIONS})
+                    if alibi_text
+                    else None
+                )
                 if scale is None or (alibi_text and slopes is None):
                     ok = False
                     break
@@ -381,7 +417,9 @@ def infer(info: ClassInfo, core: EagerCore, records: list[dict], config, pymodul
         )
     window_expr = None
     if any(w is not None for w in windows_found):
-        window_expr = _window_expression(info, inst, cases, envs, windows_found, config_param)
+        window_expr = _window_expression(
+            info, inst, cases, envs, windows_found, config_param
+        )
     spec = AttentionSpec(
         class_name=info.name,
         heads=heads_expr,
@@ -403,7 +441,9 @@ def infer(info: ClassInfo, core: EagerCore, records: list[dict], config, pymodul
     spec.arity = records[0].get("arity", 1)
     from .attention import head_count_attrs
 
-    q_attrs, kv_attrs = head_count_attrs(info, inst, heads_expr, kv_expr, heads[0], kv[0])
+    q_attrs, kv_attrs = head_count_attrs(
+        info, inst, heads_expr, kv_expr, heads[0], kv[0]
+    )
     spec.head_attrs, spec.kv_head_attrs = q_attrs + kv_attrs, kv_attrs
     return spec
 
@@ -449,7 +489,14 @@ ALIBI_FUNCTIONS = _helper_functions()
 
 def _alibi_candidates(heads_expr: str, config) -> list[str]:
     out = [f"alibi_slopes({heads_expr})", f"alibi_slopes_mpt({heads_expr})"]
-    for owner, obj in [("config", config), *[(f"config.{k}", v) for k, v in vars(config).items() if hasattr(v, "__dict__") and not k.startswith("_")]]:
+    for owner, obj in [
+        ("config", config),
+        *[
+            (f"config.{k}", v)
+            for k, v in vars(config).items()
+            if hasattr(v, "__dict__") and not k.startswith("_")
+        ],
+    ]:
         for k, v in vars(obj).items():
             if "alibi" in k and isinstance(v, (int, float)) and not isinstance(v, bool):
                 out.append(f"alibi_slopes_mpt({heads_expr}, {owner}.{k})")
@@ -487,16 +534,25 @@ def _window_expression(info, inst, cases, envs, windows, config_param) -> str:
     layers, chosen by an attribute that tells the layers apart."""
     sizes = {w for w in windows if w is not None}
     if len(sizes) != 1:
-        raise CodemodError(f"cannot generate: {info.name} attends through several window sizes {sorted(sizes)}")
+        raise CodemodError(
+            f"cannot generate: {info.name} attends through several window sizes {sorted(sizes)}"
+        )
     size = sizes.pop()
     field = None
     if config_param:
         for name, value in vars(envs[0][config_param]).items():
-            if isinstance(value, int) and not isinstance(value, bool) and value == size and "window" in name:
+            if (
+                isinstance(value, int)
+                and not isinstance(value, bool)
+                and value == size
+                and "window" in name
+            ):
                 field = f"{config_param}.{name}"
                 break
     if field is None:
-        raise CodemodError(f"cannot generate: no config field holds {info.name}'s window {size}")
+        raise CodemodError(
+            f"cannot generate: no config field holds {info.name}'s window {size}"
+        )
     if all(w is not None for w in windows):
         return field
     for attr in info.attrs:
@@ -559,7 +615,9 @@ class CoreRewrite(cst.CSTTransformer):
         for index, region in enumerate(self.core.regions):
             inside = set()
             # loads of the whole forward minus the region's own statements
-            blocks = [b for b in m.findall(node, m.IndentedBlock()) if region.start in b.body]
+            blocks = [
+                b for b in m.findall(node, m.IndentedBlock()) if region.start in b.body
+            ]
             if not blocks:
                 continue
             stmts = list(blocks[0].body)
@@ -588,7 +646,9 @@ class CoreRewrite(cst.CSTTransformer):
             return cst.parse_expression(f"[{call}]")
         if self.spec.container == "tuple":
             nones = ", None" * (self.spec.arity - 1)
-            return cst.parse_expression(f"({call}{nones},)" if self.spec.arity == 1 else f"({call}{nones})")
+            return cst.parse_expression(
+                f"({call}{nones},)" if self.spec.arity == 1 else f"({call}{nones})"
+            )
         return cst.parse_expression(call)
 
     def leave_IndentedBlock(self, original, updated):
@@ -609,7 +669,7 @@ class CoreRewrite(cst.CSTTransformer):
                 # a branch the tiny model never took is not proven: say so when it runs
                 stmt = cst.parse_statement(
                     f'raise NotImplementedError("{self.spec.class_name}: this attention '
-                    'branch was not exercised when the file was generated, so it is not '
+                    "branch was not exercised when the file was generated, so it is not "
                     'proven; regenerate with a config that takes it")\n'
                 )
                 body[i:] = [stmt]  # what follows in the branch is unreachable

@@ -15,7 +15,15 @@ import libcst as cst
 import libcst.matchers as m
 
 from fusion_patterns import glu, moe, qkv, rms_norm
-from fusion_patterns.base import ClassInfo, FusionRecord, PatternRefused, Refusal, code, dotted_name, linear_args
+from fusion_patterns.base import (
+    ClassInfo,
+    FusionRecord,
+    PatternRefused,
+    Refusal,
+    code,
+    dotted_name,
+    linear_args,
+)
 
 from .. import loading, tiny
 from ..emit import imports_for
@@ -24,7 +32,7 @@ from ..emit import moe as moe_emit
 from ..errors import CodemodError
 from ..source import ModelSource
 from ..structure import TORCH_NORMS, class_infos
-from . import attention, definitions, eager_attention, probe, tp, weights
+from . import compile_check, attention, definitions, eager_attention, probe, tp, weights
 from . import rewrite as rewrite_module
 from .model import BaseRoles, CausalRoles, emit_base, emit_causal, mask_functions
 from .rewrite import (
@@ -70,7 +78,9 @@ class Unfused:
     reason: str
 
     def describe(self) -> str:
-        return " ".join(f"Unfused: {self.what} ({self.source_class}): {self.reason}".split())
+        return " ".join(
+            f"Unfused: {self.what} ({self.source_class}): {self.reason}".split()
+        )
 
 
 @dataclass
@@ -194,7 +204,12 @@ def _reachable(start: str, classes: dict[str, ClassInfo]) -> list[str]:
     return seen
 
 
-def generate(source: ModelSource, trust_remote_code: bool = False, fuse: bool = True, why: str = ""):
+def generate(
+    source: ModelSource,
+    trust_remote_code: bool = False,
+    fuse: bool = True,
+    why: str = "",
+):
     """(plan, unformatted body) of the faithful file for `source`."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
@@ -209,7 +224,9 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
 
     pymodule = loading.load_module(source, trust_remote_code)
     classes = class_infos(source.module)
-    rewrite_module.ATTENTION_NAME[0] = "VllmAttention" if "Attention" in classes else "Attention"
+    rewrite_module.ATTENTION_NAME[0] = (
+        "VllmAttention" if "Attention" in classes else "Attention"
+    )
     defs = definitions.collect(source)
     causal_cls = pick_causal(pymodule, classes, source)
     # attention classes keep their __init__ locals while the tiny model is built
@@ -221,9 +238,14 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
     ]
     with probe.init_locals(pymodule, candidates):
         config, model = _build_tiny(causal_cls)
-    if getattr(config, "is_encoder_decoder", False):
+    # BART-style ...ForCausalLM classes switch the flag off on the config they are given:
+    # the config class's own default says the decoder's layers hold cross attention
+    if getattr(config, "is_encoder_decoder", False) or (
+        getattr(causal_cls.config_class, "is_encoder_decoder", False) is True
+    ):
         raise CodemodError(
-            f"out of scope: {causal_cls.__name__} is an encoder-decoder model (vLLM serves decoders)"
+            f"out of scope: {causal_cls.__name__} is an encoder-decoder model or its "
+            "decoder (cross attention; vLLM's Transformers backend serves decoders only)"
         )
 
     # roles, from the instance: the module holding the layer list is the base model
@@ -234,7 +256,9 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
     lists = [
         (path, mod)
         for path, mod in model.named_modules()
-        if isinstance(mod, nn.ModuleList) and len(mod) == n_layers and path.count(".") >= 1
+        if isinstance(mod, nn.ModuleList)
+        and len(mod) == n_layers
+        and path.count(".") >= 1
     ]
     if len(lists) != 1:
         raise CodemodError(
@@ -260,18 +284,6 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
                 f"cannot generate: {type(wrapper).__name__} is not defined in {source.display}"
             )
     layer_classes = list(dict.fromkeys(type(x).__name__ for x in layer_list))
-    layers_value = base.attrs.get(layers_attr)
-    comp = m.findall(layers_value, m.ListComp()) if layers_value is not None else []
-    if not comp or not isinstance(comp[0].elt, cst.Call):
-        raise CodemodError(
-            f"cannot generate: {base.name}.{layers_attr} is not built as `nn.ModuleList([Layer(...) for i in range(n)])`"
-        )
-    comp = comp[0]
-    if not m.matches(comp.for_in.iter, m.Call(func=m.Name("range"), args=[m.Arg()])):
-        raise CodemodError(
-            f"cannot generate: {base.name}.{layers_attr} is not built over range(<layers>)"
-        )
-
     wanted = _reachable(causal.name, classes)
     # classes built indirectly (`CLASSES[config._attn_implementation](config)`): the
     # tiny model says which
@@ -306,9 +318,24 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
             raise CodemodError(
                 f"out of scope: layer {i} holds a convolution ({convs[0]}), a mixer that is not attention"
             )
+    # the layer list's shape, after the scope checks: a hybrid (Mamba) model says so
+    layers_value = base.attrs.get(layers_attr)
+    comp = m.findall(layers_value, m.ListComp()) if layers_value is not None else []
+    if not comp or not isinstance(comp[0].elt, cst.Call):
+        raise CodemodError(
+            f"cannot generate: {base.name}.{layers_attr} is not built as `nn.ModuleList([Layer(...) for i in range(n)])`"
+        )
+    comp = comp[0]
+    if not m.matches(comp.for_in.iter, m.Call(func=m.Name("range"), args=[m.Arg()])):
+        raise CodemodError(
+            f"cannot generate: {base.name}.{layers_attr} is not built over range(<layers>)"
+        )
+
     records: dict[str, list] = {n: [] for n in eager_cores}
     patches = [
-        eager_attention.instrumented(pymodule, getattr(pymodule, n), core, classes[n], records[n])
+        eager_attention.instrumented(
+            pymodule, getattr(pymodule, n), core, classes[n], records[n]
+        )
         for n, core in eager_cores.items()
     ]
     # TP: transformers' own plan of the config class, per class attribute
@@ -362,7 +389,12 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
                 norms[n] = result
             except PatternRefused as exc:
                 plan.refusals.append(Refusal(rms_norm.NAME, n, n, str(exc)))
-        skip = set(attention_infos) | set(norms) | {causal.name, base.name} | set(layer_classes)
+        skip = (
+            set(attention_infos)
+            | set(norms)
+            | {causal.name, base.name}
+            | set(layer_classes)
+        )
         for n in wanted:
             if n in skip or n not in in_layers:
                 continue
@@ -390,7 +422,12 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
             except Exception as exc:  # a proof that cannot even run is a refusal
                 what = "router + experts" if kind is moe else "gate/up projections"
                 plan.refusals.append(
-                    Refusal(kind.NAME, n, what, f"proof failed to run: {type(exc).__name__}: {_first_line(exc)}")
+                    Refusal(
+                        kind.NAME,
+                        n,
+                        what,
+                        f"proof failed to run: {type(exc).__name__}: {_first_line(exc)}",
+                    )
                 )
         # a fused MoE's shared experts / experts classes are emitted by it
         for n, spec in list(fused_mlp.items()):
@@ -416,7 +453,11 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
                     plan.records.append(rms_norm.record(spec, owner, attr))
     for n, spec in fused_mlp.items():
         for scope in scopes.get(n, [""]):
-            found = moe.records(spec, scope) if isinstance(spec, moe.MoESpec) else glu.records(spec, scope)
+            found = (
+                moe.records(spec, scope)
+                if isinstance(spec, moe.MoESpec)
+                else glu.records(spec, scope)
+            )
             plan.records += found
             plan._scoped += [(r, scope) for r in found if r.stacks_weights]
 
@@ -442,34 +483,52 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
                 qkv.prove_dataflow(found, pr.first(n))
                 qkv.prove_merged_gemm(found, pr.first(n), config)
             except PatternRefused as exc:
-                plan.refusals.append(Refusal(qkv.NAME, n, "q/k/v projections", str(exc)))
+                plan.refusals.append(
+                    Refusal(qkv.NAME, n, "q/k/v projections", str(exc))
+                )
                 continue
             except Exception as exc:  # a proof that cannot run is a refusal
                 plan.refusals.append(
-                    Refusal(qkv.NAME, n, "q/k/v projections", f"proof failed to run: {type(exc).__name__}: {_first_line(exc)}")
+                    Refusal(
+                        qkv.NAME,
+                        n,
+                        "q/k/v projections",
+                        f"proof failed to run: {type(exc).__name__}: {_first_line(exc)}",
+                    )
                 )
                 continue
             if not styles.get(n):
-                styles[n] = {**{p: "colwise" for p in found.projections}, found.out_proj: "rowwise"}
+                styles[n] = {
+                    **{p: "colwise" for p in found.projections},
+                    found.out_proj: "rowwise",
+                }
             qkv_specs[n] = found
     # ... kept for a class only where sharding it over two simulated ranks is proven
     tp_notes: list[Unfused] = []
     for n in list(styles):
         inst = pr.first(n)
         spec = specs.get(n)
-        why = tp.prove(
-            inst,
-            styles[n],
-            spec.head_attrs if spec else [],
-            pr.module_calls.get(id(inst)),
-            spec.sinks if spec else None,
-        ) if inst is not None else "no instance in the tiny model"
+        why = (
+            tp.prove(
+                inst,
+                styles[n],
+                spec.head_attrs if spec else [],
+                pr.module_calls.get(id(inst)),
+                spec.sinks if spec else None,
+            )
+            if inst is not None
+            else "no instance in the tiny model"
+        )
         if why is not None:
             del styles[n]
             tp_notes.append(Unfused(n, "tensor parallel", f"replicated: {why}"))
-    sharded = {n for n in specs if any(s == "colwise" for s in styles.get(n, {}).values())}
+    sharded = {
+        n for n in specs if any(s == "colwise" for s in styles.get(n, {}).values())
+    }
     for n, found in qkv_specs.items():
-        if n in sharded and all(styles[n].get(p) == "colwise" for p in found.projections):
+        if n in sharded and all(
+            styles[n].get(p) == "colwise" for p in found.projections
+        ):
             specs[n].qkv = found
             for scope in scopes.get(n, [""]):
                 rec = qkv.records(found, scope, set())[0]
@@ -478,7 +537,12 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
     fused_names = set(fused_mlp)
     _WRAPPERS.clear()
     _WRAPPERS.update(type(w).__name__ for _, w in wrappers)
-    emitted = [n for n in wanted if n not in norms and not _is_pretrained_helper(n, classes, pymodule, causal.name, base.name)]
+    emitted = [
+        n
+        for n in wanted
+        if n not in norms
+        and not _is_pretrained_helper(n, classes, pymodule, causal.name, base.name)
+    ]
     vocab_attr = _vocab_embedding(base_mod, config)
     vocab_class = type(_get(base_mod, vocab_attr)).__name__
     rebased = {vocab_class} if vocab_class in classes else set()
@@ -488,13 +552,17 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
         if inst is None:
             continue
         for attr, child in inst.named_children():
-            if type(child).__name__ in classes and classes[n].constructed_class(attr) is None:
+            if (
+                type(child).__name__ in classes
+                and classes[n].constructed_class(attr) is None
+            ):
                 built[(n, attr)] = type(child).__name__
     ctx = Context(
         classes=classes,
         norms=norms,
         built=built,
-        prefix_classes=prefix_classes(classes, set(emitted), fused_names, specs, built) | rebased,
+        prefix_classes=prefix_classes(classes, set(emitted), fused_names, specs, built)
+        | rebased,
         attention=specs,
         styles=styles,
         kept_linears=kept_linears(source.module, classes),
@@ -560,7 +628,9 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
             continue
         rebase = "VocabParallelEmbedding" if n in rebased else None
         pieces[n] = rewrite_class(info, ctx, base=rebase)
-        plan.unfused.append(_unfused_line(n, info, specs, classes, plan.refusals, layer_classes))
+        plan.unfused.append(
+            _unfused_line(n, info, specs, classes, plan.refusals, layer_classes)
+        )
     plan.unfused += tp_notes
     if _vllm_assumes_mla(config):
         plan.environment["VLLM_MLA_DISABLE"] = "1"
@@ -589,16 +659,27 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
             name=type(wrapper).__name__, attr=inner_attr, inner=inner
         )
     renames, stacking = weights.conversions(causal_cls, config.model_type)
-    mapper, layout_methods, weights_arg = weights.loader_code(renames, stacking, plan.stacked_params())
+    mapper, layout_methods, weights_arg = weights.loader_code(
+        renames, stacking, plan.stacked_params()
+    )
     pieces[causal.name] = emit_causal(
-        causal_roles, ctx, plan.packed_modules_mapping(), mapper, layout_methods, weights_arg
+        causal_roles,
+        ctx,
+        plan.packed_modules_mapping(),
+        mapper,
+        layout_methods,
+        weights_arg,
     )
     order = list(classes)
     body_classes = "\n\n".join(pieces[n] for n in sorted(pieces, key=order.index))
-    helper = VLLM_ATTENTION_HELPER if any(sp.eager is None for sp in specs.values()) else ""
+    helper = (
+        VLLM_ATTENTION_HELPER if any(sp.eager is None for sp in specs.values()) else ""
+    )
     if any(sp.eager is not None for sp in specs.values()):
         helper += eager_attention.HELPER
-    helper = helper.replace("attn: Attention", f"attn: {rewrite_module.ATTENTION_NAME[0]}")
+    helper = helper.replace(
+        "attn: Attention", f"attn: {rewrite_module.ATTENTION_NAME[0]}"
+    )
     for name, text in eager_attention.ALIBI_HELPERS.items():
         if any(sp.alibi and f"{name}(" in sp.alibi for sp in specs.values()):
             helper += text
@@ -614,8 +695,27 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
     # definitions in source order among the classes (constants may name classes)
     blocks = []
     for name in order_all(defs, copied, pieces):
-        blocks.append(pieces[name] if name in pieces else copied_text[copied.index(name)])
+        blocks.append(
+            pieces[name] if name in pieces else copied_text[copied.index(name)]
+        )
     body = "\n\n".join([helper, *blocks])
+    dynamic = compile_check.data_dependent(body)
+    if dynamic:
+        owner, construct = dynamic[0]
+        body = body.replace(
+            f"@support_torch_compile\nclass {base.name}(", f"class {base.name}(", 1
+        )
+        plan.unfused.append(
+            Unfused(
+                base.name,
+                "torch.compile",
+                f"off: {owner} has a data-dependent shape ({construct}), which one "
+                "captured graph cannot hold; the model runs eagerly",
+            )
+        )
+        head = head.replace(
+            "from vllm.compilation.decorators import support_torch_compile\n", ""
+        )
     extra_imports = "\n".join(i for i in imports if not _provided(i, head))
     text = head + ("\n" + extra_imports + "\n" if extra_imports else "") + "\n\n" + body
     return plan, text
@@ -670,7 +770,10 @@ def _vocab_embedding(base_mod, config) -> str:
     import torch.nn as nn
 
     for attr, child in base_mod.named_modules():
-        if isinstance(child, nn.Embedding) and child.num_embeddings == config.vocab_size:
+        if (
+            isinstance(child, nn.Embedding)
+            and child.num_embeddings == config.vocab_size
+        ):
             return attr
     raise CodemodError(
         f"cannot generate: {type(base_mod).__name__} holds no vocabulary embedding"
@@ -728,9 +831,11 @@ def _tp_styles(config, model, base_attr, classes) -> dict[str, dict[str, str]]:
 
     import torch.nn as nn
 
-    plan = getattr(type(config), "base_model_tp_plan", None) or getattr(
-        config, "base_model_tp_plan", None
-    ) or {}
+    plan = (
+        getattr(type(config), "base_model_tp_plan", None)
+        or getattr(config, "base_model_tp_plan", None)
+        or {}
+    )
     seen: dict[str, dict[str, set[str]]] = {}
     base = getattr(model, base_attr)
     for path, mod in base.named_modules():
@@ -743,7 +848,9 @@ def _tp_styles(config, model, base_attr, classes) -> dict[str, dict[str, str]]:
             full = f"{path}.{attr}" if path else attr
             style = "replicate"
             for pattern, s in plan.items():
-                if fnmatch.fnmatchcase(full, pattern.replace("*", "[0-9]*")) or fnmatch.fnmatchcase(full, pattern):
+                if fnmatch.fnmatchcase(
+                    full, pattern.replace("*", "[0-9]*")
+                ) or fnmatch.fnmatchcase(full, pattern):
                     style = s
                     break
             seen.setdefault(cls, {}).setdefault(attr, set()).add(style)
@@ -762,7 +869,13 @@ def _unfused_line(n, info, specs, classes, refusals, layer_classes) -> Unfused:
     refused = [r for r in refusals if r.source_class == n]
     why = refused[0].reason if refused else None
     if n in specs:
-        return Unfused(n, "attention", "kept as the source computes it; " + specs[n].describe())
+        return Unfused(
+            n, "attention", "kept as the source computes it; " + specs[n].describe()
+        )
     if n in layer_classes:
-        return Unfused(n, "decoder layer", "its forward as the source writes it (residual adds, norms, sublayer calls)")
+        return Unfused(
+            n,
+            "decoder layer",
+            "its forward as the source writes it (residual adds, norms, sublayer calls)",
+        )
     return Unfused(n, "module", "copied from the source" + (f" ({why})" if why else ""))

@@ -23,7 +23,13 @@ import libcst.matchers as m
 from fusion_patterns.base import ClassInfo, code, dotted_name, linear_args
 
 from ..errors import CodemodError
-from .rewrite import Context, _InitRewrite, _join_blocks, bind_unfolded, inference_folded
+from .rewrite import (
+    Context,
+    _InitRewrite,
+    _join_blocks,
+    bind_unfolded,
+    inference_folded,
+)
 from .simplify import INFERENCE_PARAMS, Fold, loads, simplify_function, stores
 
 # the masks: vLLM's attention applies the causal mask and windows itself
@@ -148,7 +154,9 @@ def _helper_methods(info: ClassInfo, forward_text: str) -> list[cst.FunctionDef]
             if name not in wanted and f"self.{name}(" in text:
                 wanted.append(name)
                 pending.append(code(func))
-    return [inference_folded(strip_decorators(methods[n])) for n in methods if n in wanted]
+    return [
+        inference_folded(strip_decorators(methods[n])) for n in methods if n in wanted
+    ]
 
 
 def _flatten(lines: list[str]) -> list[str]:
@@ -169,7 +177,13 @@ def _base_init_statement(stmt, roles: BaseRoles, ctx: Context, rewriter) -> list
     if m.matches(
         stmt,
         m.SimpleStatementLine(
-            [m.Expr(m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("post_init"))))]
+            [
+                m.Expr(
+                    m.Call(
+                        func=m.Attribute(value=m.Name("self"), attr=m.Name("post_init"))
+                    )
+                )
+            ]
         ),
     ):
         return []
@@ -181,12 +195,20 @@ def _base_init_statement(stmt, roles: BaseRoles, ctx: Context, rewriter) -> list
     if isinstance(stmt, cst.If):
         out = [f"if {code(stmt.test)}:"]
         for inner in stmt.body.body:
-            out += ["    " + line for line in _flatten(_base_init_statement(inner, roles, ctx, rewriter))]
+            out += [
+                "    " + line
+                for line in _flatten(_base_init_statement(inner, roles, ctx, rewriter))
+            ]
         orelse = stmt.orelse
         if isinstance(orelse, cst.Else):
             out.append("else:")
             for inner in orelse.body.body:
-                out += ["    " + line for line in _flatten(_base_init_statement(inner, roles, ctx, rewriter))]
+                out += [
+                    "    " + line
+                    for line in _flatten(
+                        _base_init_statement(inner, roles, ctx, rewriter)
+                    )
+                ]
         elif orelse is not None:
             raise CodemodError(
                 f"cannot generate: {roles.info.name}.__init__ has an elif chain, not emitted yet"
@@ -257,7 +279,9 @@ def _top_level(stmts) -> list[cst.BaseStatement]:
 
 def _is_layer_loop(stmt, layers_attr: str) -> bool:
     return isinstance(stmt, cst.For) and bool(
-        m.findall(stmt.iter, m.Attribute(value=m.Name("self"), attr=m.Name(layers_attr)))
+        m.findall(
+            stmt.iter, m.Attribute(value=m.Name("self"), attr=m.Name(layers_attr))
+        )
     )
 
 
@@ -269,7 +293,9 @@ class _LoopIter(cst.CSTTransformer):
         self.attr = attr
 
     def leave_Subscript(self, original, updated: cst.Subscript):
-        if m.matches(updated.value, m.Attribute(value=m.Name("self"), attr=m.Name(self.attr))):
+        if m.matches(
+            updated.value, m.Attribute(value=m.Name("self"), attr=m.Name(self.attr))
+        ):
             return cst.parse_expression(
                 f"islice(self.{self.attr}, self.start_layer, self.end_layer)"
             )
@@ -307,11 +333,15 @@ class _BareLayers(cst.CSTTransformer):
         self.in_subscript = 0
 
     def visit_Subscript(self, node):
-        if m.matches(node.value, m.Attribute(value=m.Name("self"), attr=m.Name(self.attr))):
+        if m.matches(
+            node.value, m.Attribute(value=m.Name("self"), attr=m.Name(self.attr))
+        ):
             self.in_subscript += 1
 
     def leave_Subscript(self, original, updated):
-        if m.matches(original.value, m.Attribute(value=m.Name("self"), attr=m.Name(self.attr))):
+        if m.matches(
+            original.value, m.Attribute(value=m.Name("self"), attr=m.Name(self.attr))
+        ):
             self.in_subscript -= 1
         return updated
 
@@ -374,7 +404,8 @@ def _base_forward(roles: BaseRoles, ctx: Context) -> tuple[str, list[str]]:
         for s in func.body.body
         if not _raises_only(s)
         and not m.matches(
-            s, m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())])
+            s,
+            m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())]),
         )
     ]
     loops = [i for i, s in enumerate(stmts) if _is_layer_loop(s, roles.layers_attr)]
@@ -384,7 +415,11 @@ def _base_forward(roles: BaseRoles, ctx: Context) -> tuple[str, list[str]]:
         )
     at = loops[0]
     prelude, loop, post = stmts[:at], stmts[at], stmts[at + 1 :]
-    loop = loop.with_changes(iter=loop.iter.visit(_BareLayers(roles.layers_attr)).visit(_LoopIter(roles.layers_attr)))
+    loop = loop.with_changes(
+        iter=loop.iter.visit(_BareLayers(roles.layers_attr)).visit(
+            _LoopIter(roles.layers_attr)
+        )
+    )
 
     returns = [s for s in post if m.matches(s, m.SimpleStatementLine([m.Return()]))]
     if not returns:
@@ -398,7 +433,8 @@ def _base_forward(roles: BaseRoles, ctx: Context) -> tuple[str, list[str]]:
         defined_before |= stores(s)
     body_stores = stores(loop.body)
     carried = sorted(
-        n for n in set(loads(loop.body)) & body_stores & defined_before
+        n
+        for n in set(loads(loop.body)) & body_stores & defined_before
         if n != code(loop.target)
     )
     if not carried:
@@ -412,7 +448,9 @@ def _base_forward(roles: BaseRoles, ctx: Context) -> tuple[str, list[str]]:
     # computed; everything else (rotary tables, shapes, per-layer inputs) runs on every
     # rank. The stream's own names (`inputs_embeds`, ...) stand for the incoming hidden
     # states on the other ranks (statements read them for a dtype or a shape).
-    first_modules = {a for a, where in roles.placement.items() if where.startswith("first")}
+    first_modules = {
+        a for a, where in roles.placement.items() if where.startswith("first")
+    }
     first_modules.add(roles.embed_attr.split(".")[0])
     needed = set(carried)
     for stmt in reversed(prelude):
@@ -427,9 +465,7 @@ def _base_forward(roles: BaseRoles, ctx: Context) -> tuple[str, list[str]]:
             for a in m.findall(stmt, m.Attribute(value=m.Name("self")))
         )
         only = bool(
-            calls_first
-            or stores(stmt) & set(carried)
-            or set(loads(stmt)) & unavailable
+            calls_first or stores(stmt) & set(carried) or set(loads(stmt)) & unavailable
         )
         first_only.append(only)
         if only:
@@ -537,9 +573,7 @@ class _NoInputChecks(cst.CSTTransformer):
 
     @staticmethod
     def _raising(block) -> bool:
-        return all(
-            m.matches(s, m.SimpleStatementLine([m.Raise()])) for s in block.body
-        )
+        return all(m.matches(s, m.SimpleStatementLine([m.Raise()])) for s in block.body)
 
     def leave_If(self, original, updated: cst.If):
         node = updated
@@ -562,8 +596,12 @@ class _NoInputChecks(cst.CSTTransformer):
 
 
 def _raises_only(stmt) -> bool:
-    return isinstance(stmt, cst.If) and stmt.orelse is None and all(
-        m.matches(s, m.SimpleStatementLine([m.Raise()])) for s in stmt.body.body
+    return (
+        isinstance(stmt, cst.If)
+        and stmt.orelse is None
+        and all(
+            m.matches(s, m.SimpleStatementLine([m.Raise()])) for s in stmt.body.body
+        )
     )
 
 
@@ -610,19 +648,37 @@ def emit_causal(
         ]
     rewriter = _InitRewrite(info, ctx)
     for stmt in info.init_statements():
-        if m.matches(
-            stmt,
-            m.SimpleStatementLine(
-                [m.Expr(m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")))))]
-            ),
-        ) or m.matches(
-            stmt,
-            m.SimpleStatementLine(
-                [m.Expr(m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name("post_init"))))]
-            ),
-        ) or m.matches(
-            stmt,
-            m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())]),
+        if (
+            m.matches(
+                stmt,
+                m.SimpleStatementLine(
+                    [
+                        m.Expr(
+                            m.Call(func=m.Attribute(value=m.Call(func=m.Name("super"))))
+                        )
+                    ]
+                ),
+            )
+            or m.matches(
+                stmt,
+                m.SimpleStatementLine(
+                    [
+                        m.Expr(
+                            m.Call(
+                                func=m.Attribute(
+                                    value=m.Name("self"), attr=m.Name("post_init")
+                                )
+                            )
+                        )
+                    ]
+                ),
+            )
+            or m.matches(
+                stmt,
+                m.SimpleStatementLine(
+                    [m.Expr(m.SimpleString() | m.ConcatenatedString())]
+                ),
+            )
         ):
             continue
         target = None
@@ -670,7 +726,9 @@ def emit_causal(
             "        return loader.load_weights(weights) | stacked"
         )
     else:
-        load_body = "        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)"
+        load_body = (
+            "        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)"
+        )
     return f"""
 class {info.name}(nn.Module, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
@@ -708,16 +766,16 @@ def _compute_logits(roles: CausalRoles) -> str:
     self_model = m.Attribute(value=m.Name("self"), attr=m.Name(roles.model_attr))
     # self.model(...), or self.model.decoder(...) past a wrapper (OPT)
     model_call = m.Call(func=self_model | m.Attribute(value=self_model))
-    at = next(
-        (i for i, s in enumerate(stmts) if m.findall(s, model_call)), None
-    )
+    at = next((i for i, s in enumerate(stmts) if m.findall(s, model_call)), None)
     if at is None:
         raise CodemodError(
             f"cannot generate: {roles.info.name}.forward does not call self.{roles.model_attr}"
         )
     assign = stmts[at]
     outputs = None
-    if m.matches(assign, m.SimpleStatementLine([m.Assign(targets=[m.AssignTarget(m.Name())])])):
+    if m.matches(
+        assign, m.SimpleStatementLine([m.Assign(targets=[m.AssignTarget(m.Name())])])
+    ):
         outputs = assign.body[0].targets[0].target.value
     elif m.matches(assign, m.SimpleStatementLine([m.AnnAssign(target=m.Name())])):
         outputs = assign.body[0].target.value
@@ -733,7 +791,10 @@ def _compute_logits(roles: CausalRoles) -> str:
 
     class _Hidden(cst.CSTTransformer):
         def leave_Attribute(self, original, updated):
-            if m.matches(updated, m.Attribute(value=m.Name(outputs), attr=m.Name("last_hidden_state"))):
+            if m.matches(
+                updated,
+                m.Attribute(value=m.Name(outputs), attr=m.Name("last_hidden_state")),
+            ):
                 return cst.Name("hidden_states")
             return updated
 
@@ -774,7 +835,9 @@ def _compute_logits(roles: CausalRoles) -> str:
             s = s.visit(_Swap())
         lines += code(s).strip("\n").splitlines()
     if logits_name is None:
-        raise CodemodError(f"cannot generate: {roles.info.name}.forward returns no logits")
+        raise CodemodError(
+            f"cannot generate: {roles.info.name}.forward returns no logits"
+        )
     lines.append(f"return ({logits_name})[0]")
     body = "\n".join("        " + line for line in lines)
     return f"""    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

@@ -57,7 +57,8 @@ class Probe:
 
 def interface_name(forward: cst.FunctionDef) -> str | None:
     """The local name an attention interface is called through: `X(self, q, k, v, ...)`
-    where X is assigned from an `ALL_ATTENTION_FUNCTIONS` lookup or an eager function."""
+    where X is assigned from an `ALL_ATTENTION_FUNCTIONS` lookup or an eager function.
+    """
     assigned = {}
     for node in m.findall(forward, m.Assign() | m.AnnAssign()):
         targets = (
@@ -151,9 +152,13 @@ def run(
         if id(module) not in seen:
             seen.add(id(module))
             # positional extras (a scaling passed by position) by their names
-            bound = inspect.signature(original).bind_partial(
-                module, query, key, value, attention_mask, *args, **kwargs
-            ).arguments
+            bound = (
+                inspect.signature(original)
+                .bind_partial(
+                    module, query, key, value, attention_mask, *args, **kwargs
+                )
+                .arguments
+            )
             named = dict(list(bound.items())[5:])
             for extra in [k for k, v in named.items() if isinstance(v, dict)]:
                 named.update(named.pop(extra))
@@ -164,9 +169,11 @@ def run(
                     query=query.detach().clone(),
                     key=key.detach().clone(),
                     value=value.detach().clone(),
-                    mask=None
-                    if attention_mask is None
-                    else attention_mask.detach().clone(),
+                    mask=(
+                        None
+                        if attention_mask is None
+                        else attention_mask.detach().clone()
+                    ),
                     kwargs={k: _detach(v) for k, v in named.items()},
                     output=(out[0] if isinstance(out, tuple) else out).detach().clone(),
                 )
@@ -184,7 +191,9 @@ def run(
 
             probe.module_calls[id(module)] = (
                 copy.deepcopy(args),
-                copy.deepcopy({k: v for k, v in kwargs.items() if k != "past_key_values"}),
+                copy.deepcopy(
+                    {k: v for k, v in kwargs.items() if k != "past_key_values"}
+                ),
                 _detach(output[0] if isinstance(output, (tuple, list)) else output),
             )
 
@@ -195,7 +204,11 @@ def run(
     ]
     ALL_ATTENTION_FUNCTIONS.register(PROBE_IMPL, recording)
     ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE_IMPL, eager_mask)
-    configs = {id(mod.config): mod.config for mod in model.modules() if hasattr(mod, "config") and hasattr(mod.config, "_attn_implementation")}
+    configs = {
+        id(mod.config): mod.config
+        for mod in model.modules()
+        if hasattr(mod, "config") and hasattr(mod.config, "_attn_implementation")
+    }
     saved = {k: c._attn_implementation for k, c in configs.items()}
     try:
         for c in configs.values():
@@ -247,7 +260,9 @@ def init_locals(pymodule, infos: list[ClassInfo]):
         func = func.with_changes(body=body)
         namespace = dict(vars(pymodule))
         try:
-            exec(textwrap.dedent(code(func)), namespace)  # noqa: S102 - the source's code
+            exec(
+                textwrap.dedent(code(func)), namespace
+            )  # noqa: S102 - the source's code
         except SyntaxError:
             continue
         originals[cls] = cls.__init__

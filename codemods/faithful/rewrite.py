@@ -201,9 +201,11 @@ def clean_signature(func: cst.FunctionDef, drop: set[str]) -> cst.FunctionDef:
             if isinstance(params.star_arg, cst.Param)
             else params.star_arg
         ),
-        star_kwarg=params.star_kwarg.with_changes(annotation=None)
-        if params.star_kwarg
-        else None,
+        star_kwarg=(
+            params.star_kwarg.with_changes(annotation=None)
+            if params.star_kwarg
+            else None
+        ),
     )
     return func.with_changes(params=new, returns=_clean_annotation(func.returns))
 
@@ -313,9 +315,7 @@ class _InitRewrite(cst.CSTTransformer):
 
     def visit_ListComp(self, node: cst.ListComp):
         var = node.for_in.target
-        self.path.append(
-            "{" + var.value + "}" if isinstance(var, cst.Name) else "{_i}"
-        )
+        self.path.append("{" + var.value + "}" if isinstance(var, cst.Name) else "{_i}")
 
     def leave_ListComp(self, original, updated):
         self.path.pop()
@@ -410,16 +410,27 @@ class _EmbeddingSuper(cst.CSTTransformer):
     def leave_Call(self, original, updated: cst.Call):
         if not m.matches(
             updated,
-            m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")), attr=m.Name("__init__"))),
+            m.Call(
+                func=m.Attribute(
+                    value=m.Call(func=m.Name("super")), attr=m.Name("__init__")
+                )
+            ),
         ):
             return updated
         pos = [a for a in updated.args if a.keyword is None][:2]
         kw = {a.keyword.value: a for a in updated.args if a.keyword is not None}
-        args = [a.with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT) for a in pos]
+        args = [
+            a.with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT) for a in pos
+        ]
         for name in ("num_embeddings", "embedding_dim")[len(pos) :]:
-            args.append(kw[name].with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT))
+            args.append(
+                kw[name].with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT)
+            )
         extra = cst.parse_expression("f(quant_config=quant_config, prefix=prefix)").args
-        args = [a.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))) for a in args]
+        args = [
+            a.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+            for a in args
+        ]
         return updated.with_changes(args=[*args, *extra])
 
 
@@ -445,7 +456,8 @@ def _attention_init_lines(spec: AttentionSpec, sharded: bool) -> list[str]:
         # this rank's heads, as the merged projection holds them
         heads, kv = f"self.{merged}.num_heads", f"self.{merged}.num_kv_heads"
         fitted = [
-            f"self.{a} = {kv if a in spec.kv_head_attrs else heads}" for a in spec.head_attrs
+            f"self.{a} = {kv if a in spec.kv_head_attrs else heads}"
+            for a in spec.head_attrs
         ]
         if fitted:
             lines += ["# the source's reshapes count this rank's heads", *fitted]
@@ -519,35 +531,54 @@ class _InterfaceCall(cst.CSTTransformer):
         if len(body) == 1 and m.matches(
             body[0],
             m.Assign(
-                targets=[m.AssignTarget(m.Tuple([m.Element(m.Name()), m.Element(m.Name())]))],
-                value=m.Tuple([m.Element(m.Call(func=m.Name("vllm_attention"))), m.Element(m.Name("None"))]),
+                targets=[
+                    m.AssignTarget(m.Tuple([m.Element(m.Name()), m.Element(m.Name())]))
+                ],
+                value=m.Tuple(
+                    [
+                        m.Element(m.Call(func=m.Name("vllm_attention"))),
+                        m.Element(m.Name("None")),
+                    ]
+                ),
             ),
         ):
             out, weights = (e.value.value for e in body[0].targets[0].target.elements)
             call = body[0].value.elements[0].value
             return cst.FlattenSentinel(
                 [
-                    updated.with_changes(body=[cst.Assign([cst.AssignTarget(cst.Name(out))], call)]),
-                    cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(cst.Name(weights))], cst.Name("None"))]),
+                    updated.with_changes(
+                        body=[cst.Assign([cst.AssignTarget(cst.Name(out))], call)]
+                    ),
+                    cst.SimpleStatementLine(
+                        [
+                            cst.Assign(
+                                [cst.AssignTarget(cst.Name(weights))], cst.Name("None")
+                            )
+                        ]
+                    ),
                 ]
             )
         return updated.with_changes(body=body)
 
     def _assigns_interface(self, stmt) -> bool:
         if isinstance(stmt, cst.Assign):
-            return any(
-                m.matches(t.target, m.Name(self.name)) for t in stmt.targets
-            )
+            return any(m.matches(t.target, m.Name(self.name)) for t in stmt.targets)
         if isinstance(stmt, cst.AnnAssign):
             return m.matches(stmt.target, m.Name(self.name))
         return False
 
     def leave_If(self, original, updated: cst.If):
-        if all(
-            isinstance(s, cst.SimpleStatementLine)
-            and all(self._assigns_interface(x) or isinstance(x, cst.Pass) for x in s.body)
-            for s in updated.body.body
-        ) and updated.orelse is None:
+        if (
+            all(
+                isinstance(s, cst.SimpleStatementLine)
+                and all(
+                    self._assigns_interface(x) or isinstance(x, cst.Pass)
+                    for x in s.body
+                )
+                for s in updated.body.body
+            )
+            and updated.orelse is None
+        ):
             return cst.RemoveFromParent()
         return updated
 
@@ -573,14 +604,14 @@ def rewrite_class(info: ClassInfo, ctx: Context, base: str | None = None) -> str
         bases = [cst.Arg(cst.parse_expression(base))]
     else:
         bases = [
-            cst.Arg(cst.parse_expression("nn.Module"))
-            if (dotted_name(b.value) or "") in PLAIN_BASES
-            else b
+            (
+                cst.Arg(cst.parse_expression("nn.Module"))
+                if (dotted_name(b.value) or "") in PLAIN_BASES
+                else b
+            )
             for b in node.bases
         ]
-    plain_base = all(
-        (dotted_name(b.value) or "") in PLAIN_BASES for b in bases
-    )
+    plain_base = all((dotted_name(b.value) or "") in PLAIN_BASES for b in bases)
     spec = ctx.attention.get(info.name)
     body = []
     for stmt in node.body.body:
@@ -603,8 +634,12 @@ def rewrite_class(info: ClassInfo, ctx: Context, base: str | None = None) -> str
         body.append(stmt)
     if spec is not None and spec.eager is not None and spec.eager.kind == "method":
         # the replaced attention helper, if nothing else calls it
-        others = cst.Module(body=[s for s in body if not _defines(s, spec.eager.method)])
-        if not m.findall(others, m.Attribute(value=m.Name("self"), attr=m.Name(spec.eager.method))):
+        others = cst.Module(
+            body=[s for s in body if not _defines(s, spec.eager.method)]
+        )
+        if not m.findall(
+            others, m.Attribute(value=m.Name("self"), attr=m.Name(spec.eager.method))
+        ):
             body = [s for s in body if not _defines(s, spec.eager.method)]
     node = node.with_changes(
         bases=bases,

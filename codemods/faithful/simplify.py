@@ -126,8 +126,12 @@ class Fold(cst.CSTTransformer):
         if isinstance(updated.func, cst.Name) and updated.func.value in CALL_FACTS:
             return cst.parse_expression(CALL_FACTS[updated.func.value])
         # isinstance(0, int): a folded `logits_to_keep`
-        if (
-            m.matches(updated, m.Call(func=m.Name("isinstance"), args=[m.Arg(m.Integer()), m.Arg(m.Name("int"))]))
+        if m.matches(
+            updated,
+            m.Call(
+                func=m.Name("isinstance"),
+                args=[m.Arg(m.Integer()), m.Arg(m.Name("int"))],
+            ),
         ):
             return _TRUE
         # isinstance(<literal>, ...) of a folded value
@@ -239,9 +243,7 @@ def loads(node: cst.CSTNode) -> list[str]:
     skip = not_loads(node)
     aug = {id(a.target) for a in m.findall(node, m.AugAssign())}
     return [
-        n.value
-        for n in m.findall(node, m.Name())
-        if id(n) not in skip or id(n) in aug
+        n.value for n in m.findall(node, m.Name()) if id(n) not in skip or id(n) in aug
     ]
 
 
@@ -287,7 +289,8 @@ def _pure(node: cst.BaseExpression) -> bool:
 
 def _rebound(body: cst.CSTNode) -> set[str]:
     """Names assigned in `body` from an expression that does not read them
-    (`x = x if x is not None else default` keeps x's meaning; `x = torch.ones(...)` does not)."""
+    (`x = x if x is not None else default` keeps x's meaning; `x = torch.ones(...)` does not).
+    """
     out = set()
     for assign in m.findall(body, m.Assign() | m.AnnAssign() | m.AugAssign()):
         name = _single_name(assign) if not isinstance(assign, cst.AugAssign) else None
@@ -370,9 +373,15 @@ def not_loads(root: cst.CSTNode) -> set[int]:
     for node in m.findall(root, m.FunctionDef() | m.ClassDef()):
         out.add(id(node.name))
     for node in m.findall(root, m.AssignTarget()):
-        out |= {id(n) for n in m.findall(node.target, m.Name())} - {
-            id(a.value) for a in m.findall(node.target, m.Attribute())
-        } - {id(n) for s in m.findall(node.target, m.Subscript()) for n in m.findall(s, m.Name())}
+        out |= (
+            {id(n) for n in m.findall(node.target, m.Name())}
+            - {id(a.value) for a in m.findall(node.target, m.Attribute())}
+            - {
+                id(n)
+                for s in m.findall(node.target, m.Subscript())
+                for n in m.findall(s, m.Name())
+            }
+        )
     for node in m.findall(root, m.AnnAssign() | m.AugAssign() | m.NamedExpr()):
         if isinstance(node.target, cst.Name):
             out.add(id(node.target))
@@ -406,7 +415,9 @@ def simplify_function(
         for assign in m.findall(body, m.Assign() | m.AugAssign() | m.AnnAssign()):
             for name in stores(cst.SimpleStatementLine([assign])):
                 counts[name] = counts.get(name, 0) + 1
-            name = _single_name(assign) if not isinstance(assign, cst.AugAssign) else None
+            name = (
+                _single_name(assign) if not isinstance(assign, cst.AugAssign) else None
+            )
             if name and assign.value is not None:
                 value = _const(assign.value)
                 if value is not _UNKNOWN and isinstance(value, (bool, type(None))):

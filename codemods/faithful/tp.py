@@ -59,14 +59,18 @@ def _shard(module, styles, head_attrs, sinks, rank: int, reduce: _AllReduce):
         w = linear.weight.data
         if style == "colwise":
             if w.shape[0] % RANKS:
-                raise ValueError(f"self.{attr} has {w.shape[0]} outputs, not divisible by {RANKS}")
+                raise ValueError(
+                    f"self.{attr} has {w.shape[0]} outputs, not divisible by {RANKS}"
+                )
             linear.weight.data = w.chunk(RANKS, 0)[rank].clone()
             if linear.bias is not None:
                 linear.bias.data = linear.bias.data.chunk(RANKS, 0)[rank].clone()
             linear.out_features = linear.weight.shape[0]
         elif style == "rowwise":
             if w.shape[1] % RANKS:
-                raise ValueError(f"self.{attr} has {w.shape[1]} inputs, not divisible by {RANKS}")
+                raise ValueError(
+                    f"self.{attr} has {w.shape[1]} inputs, not divisible by {RANKS}"
+                )
             setattr(shard, attr, _row_parallel(linear, rank, reduce))
     for attr in head_attrs:
         value = getattr(shard, attr)
@@ -86,7 +90,9 @@ def _first(out):
     return out
 
 
-def prove(module, styles: dict[str, str], head_attrs: list[str], call, sinks=None) -> str | None:
+def prove(
+    module, styles: dict[str, str], head_attrs: list[str], call, sinks=None
+) -> str | None:
     """None when `module` computes the same sharded over two ranks, else the reason."""
     import threading
 
@@ -107,7 +113,9 @@ def prove(module, styles: dict[str, str], head_attrs: list[str], call, sinks=Non
         try:
             with torch.no_grad():
                 shard = _shard(module, sharded, head_attrs, sinks, rank, reduce)
-                outs[rank] = _first(shard(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
+                outs[rank] = _first(
+                    shard(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+                )
         except Exception as exc:  # noqa: BLE001 - a reshape that counts the whole
             errors.append(exc)
             reduce.barrier.abort()
@@ -121,7 +129,9 @@ def prove(module, styles: dict[str, str], head_attrs: list[str], call, sinks=Non
     if real or errors:
         exc = (real or errors)[0]
         text = str(exc).splitlines()[0] if str(exc) else ""
-        return f"sharded over {RANKS} ranks it fails ({type(exc).__name__}: {text[:120]})"
+        return (
+            f"sharded over {RANKS} ranks it fails ({type(exc).__name__}: {text[:120]})"
+        )
     for got in outs:
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
             return "sharded, a rank returns another shape (its output is not reduced in the class)"

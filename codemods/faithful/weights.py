@@ -68,7 +68,7 @@ def conversions(causal_cls, model_type: str):
     return renames, stacking
 
 
-STACK_METHOD = '''
+STACK_METHOD = """
     # per-expert checkpoint tensors -> the stacked expert parameters the source holds
     # (transformers' conversion mapping: experts merged along dim 0, projections
     # concatenated within each expert)
@@ -107,7 +107,7 @@ STACK_METHOD = '''
                 continue
             return isinstance(module, PPMissingLayer)
         return False
-'''
+"""
 
 
 def loader_code(
