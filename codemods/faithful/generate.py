@@ -410,17 +410,13 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
             if isinstance(spec, Refusal):
                 plan.refusals.append(spec)
                 continue
+            what = "router + experts" if kind is moe else "gate/up projections"
             try:
-                if kind is moe:
-                    moe.prove(spec, inst, config)
-                else:
-                    glu.prove(spec, inst, config)
+                kind.prove(spec, inst, config)
                 fused_mlp[n] = spec
             except PatternRefused as exc:
-                what = "router + experts" if kind is moe else "gate/up projections"
                 plan.refusals.append(Refusal(kind.NAME, n, what, str(exc)))
             except Exception as exc:  # a proof that cannot even run is a refusal
-                what = "router + experts" if kind is moe else "gate/up projections"
                 plan.refusals.append(
                     Refusal(
                         kind.NAME,
@@ -429,10 +425,6 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
                         f"proof failed to run: {type(exc).__name__}: {_first_line(exc)}",
                     )
                 )
-        # a fused MoE's shared experts / experts classes are emitted by it
-        for n, spec in list(fused_mlp.items()):
-            if isinstance(spec, moe.MoESpec):
-                pass
 
     # scopes of each class below a decoder layer, for stacked-weight keys
     scopes: dict[str, list[str]] = {}
