@@ -29,6 +29,44 @@ def run_cli(
     )
 
 
+def load_on_rank(model_cls, ckpt: str, rank: int, port: int, tp: int):
+    """In a rank's own process: `model_cls` (a generated causal LM) built on rank `rank`
+    of `tp` tensor-parallel ranks (gloo over 127.0.0.1:`port`), the checkpoint loaded
+    through its own `load_weights`, before process_weights_after_loading (which repacks
+    CPU weights)."""
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    os.environ["VLLM_DIST_IDENT"] = str(port)
+    cfg = EngineArgs(
+        model=ckpt,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp",
+        hf_overrides={"architectures": [f"Generated{model_cls.__name__}"]},
+    ).create_engine_config()
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(
+            world_size=tp,
+            rank=rank,
+            local_rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            backend="gloo",
+        )
+        initialize_model_parallel(tp, 1)
+        with set_default_torch_dtype(torch.float32):
+            model = model_cls(vllm_config=cfg)
+        weights = load_file(f"{ckpt}/model.safetensors")
+        model.load_weights(iter(weights.items()))
+    return model, weights
+
+
 def verify_in_one_process(targets: list[str], timeout: int = 1800) -> list[dict]:
     """`verify` each target (a model type or a generated file) in one fresh process, one
     engine at a time; its JSON result with the exit code under "code", in order."""

@@ -6,12 +6,13 @@ and sharded attention sinks their heads' slice."""
 from __future__ import annotations
 
 import importlib
-import os
 import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from conftest import load_on_rank
 
 from codemods import tiny
 
@@ -25,65 +26,33 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, port: int, model: str, causal: str, ckpt: str, out: str) -> None:
-    os.environ["VLLM_DIST_IDENT"] = str(port)
-    from safetensors.torch import load_file
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.layers.linear import LinearBase
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
     cls = getattr(importlib.import_module(f"generated.{model}"), causal)
-    cfg = EngineArgs(
-        model=ckpt,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=256,
-        enforce_eager=True,
-        tensor_parallel_size=TP,
-        distributed_executor_backend="mp",
-        hf_overrides={"architectures": [f"Generated{causal}"]},
-    ).create_engine_config()
-    with set_current_vllm_config(cfg):
-        init_distributed_environment(
-            world_size=TP,
-            rank=rank,
-            local_rank=rank,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
-            backend="gloo",
+    vllm_model, weights = load_on_rank(cls, ckpt, rank, port, TP)
+    # before process_weights_after_loading, which repacks CPU weights
+    linears = {
+        name: (
+            type(mod).__name__,
+            mod.weight.detach().clone(),
+            (None if getattr(mod, "bias", None) is None else mod.bias.detach().clone()),
         )
-        initialize_model_parallel(TP, 1)
-        with set_default_torch_dtype(torch.float32):
-            vllm_model = cls(vllm_config=cfg)
-        weights = load_file(f"{ckpt}/model.safetensors")
-        vllm_model.load_weights(iter(weights.items()))
-        # before process_weights_after_loading, which repacks CPU weights
-        linears = {
-            name: (
-                type(mod).__name__,
-                mod.weight.detach().clone(),
-                (
-                    None
-                    if getattr(mod, "bias", None) is None
-                    else mod.bias.detach().clone()
-                ),
-            )
-            for name, mod in vllm_model.named_modules()
-            if isinstance(mod, LinearBase)
-        }
-        sinks = {
-            name: p.detach().clone()
-            for name, p in vllm_model.named_parameters()
-            if name.endswith(".sinks")
-        }
-        torch.save(
-            {
-                "linears": linears,
-                "sinks": sinks,
-                "packed": vllm_model.packed_modules_mapping,
-            },
-            f"{out}/rank{rank}.pt",
-        )
+        for name, mod in vllm_model.named_modules()
+        if isinstance(mod, LinearBase)
+    }
+    sinks = {
+        name: p.detach().clone()
+        for name, p in vllm_model.named_parameters()
+        if name.endswith(".sinks")
+    }
+    torch.save(
+        {
+            "linears": linears,
+            "sinks": sinks,
+            "packed": vllm_model.packed_modules_mapping,
+        },
+        f"{out}/rank{rank}.pt",
+    )
 
 
 def _expected(kind, name, hf, packed, rank, config, which="weight"):

@@ -6,12 +6,13 @@ Covers kv heads split across ranks and kv heads replicated (fewer kv heads than 
 
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from conftest import load_on_rank
 
 from codemods import tiny
 
@@ -25,48 +26,20 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, port: int, ckpt: str, out: str) -> None:
-    os.environ["VLLM_DIST_IDENT"] = str(port)
-    from safetensors.torch import load_file
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
     from generated.qwen3 import Qwen3ForCausalLM
 
-    cfg = EngineArgs(
-        model=ckpt,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        max_model_len=256,
-        enforce_eager=True,
-        tensor_parallel_size=TP,
-        distributed_executor_backend="mp",
-        hf_overrides={"architectures": ["GeneratedQwen3ForCausalLM"]},
-    ).create_engine_config()
-    with set_current_vllm_config(cfg):
-        init_distributed_environment(
-            world_size=TP,
-            rank=rank,
-            local_rank=rank,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
-            backend="gloo",
-        )
-        initialize_model_parallel(TP, 1)
-        with set_default_torch_dtype(torch.float32):
-            model = Qwen3ForCausalLM(vllm_config=cfg)
-        model.load_weights(iter(load_file(f"{ckpt}/model.safetensors").items()))
-        # before process_weights_after_loading, which repacks CPU weights
-        layer = model.model.layers[0]
-        torch.save(
-            {
-                "qkv": layer.self_attn.qkv_proj.weight.detach().clone(),
-                "qkv_bias": layer.self_attn.qkv_proj.bias.detach().clone(),
-                "gate_up": layer.mlp.gate_up_proj.weight.detach().clone(),
-                "down": layer.mlp.down_proj.weight.detach().clone(),
-            },
-            f"{out}/rank{rank}.pt",
-        )
+    model, _ = load_on_rank(Qwen3ForCausalLM, ckpt, rank, port, TP)
+    # before process_weights_after_loading, which repacks CPU weights
+    layer = model.model.layers[0]
+    torch.save(
+        {
+            "qkv": layer.self_attn.qkv_proj.weight.detach().clone(),
+            "qkv_bias": layer.self_attn.qkv_proj.bias.detach().clone(),
+            "gate_up": layer.mlp.gate_up_proj.weight.detach().clone(),
+            "down": layer.mlp.down_proj.weight.detach().clone(),
+        },
+        f"{out}/rank{rank}.pt",
+    )
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv-split", "kv-replicated"])
