@@ -36,7 +36,8 @@ def set_cpu_env(tp: int, pp: int) -> None:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
-def _llm(model_dir: str, arch: str, tp: int, pp: int, **extra):
+def start_llm(model_dir: str, arch: str, tp: int = 1, pp: int = 1, **extra):
+    """vLLM's `LLM` as every run here starts it: fp32, no tokenizer, `arch` forced."""
     set_cpu_env(tp, pp)
     from vllm import LLM
 
@@ -72,7 +73,7 @@ def prompt_logits(
     from vllm import SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    llm = _llm(model_dir, arch, 1, 1, max_logprobs=-1, logprobs_mode="raw_logits")
+    llm = start_llm(model_dir, arch, 1, 1, max_logprobs=-1, logprobs_mode="raw_logits")
     try:
         impl = llm.apply_model(model_class_name)[0]
         params = SamplingParams(
@@ -136,7 +137,7 @@ def run(
     if model_impl:
         extra["model_impl"] = model_impl
     with _FusedLines() as fused:
-        llm = _llm(model_dir, arch, tp, pp, **extra)
+        llm = start_llm(model_dir, arch, tp, pp, **extra)
     result_fused = fused.lines
     try:
         impls = set(llm.apply_model(model_class_name))

@@ -125,9 +125,12 @@ def verify(
     layout: str = "saved",
     expert_parallel: bool = False,
     backend: bool = False,
+    progress=None,
 ) -> dict:
     """Verify a generated model, or a modeling file (generated into a temporary folder
-    and compared against that same file's model)."""
+    and compared against that same file's model). `progress`, if given, is called with
+    each step's description as it starts (see `console.Progress`)."""
+    progress = progress or _no_progress
     options = dict(
         tp=tp,
         pp=pp,
@@ -137,12 +140,17 @@ def verify(
         layout=layout,
         expert_parallel=expert_parallel,
         backend=backend,
+        progress=progress,
     )
     path = resolve_target(target)
+    steps = 4 + bool(backend)
     if is_generated(path):
+        progress.total = steps
         return _verify_generated(path, **options)
     from .apply import generate, output_path
 
+    progress.total = steps + 1
+    progress(f"generate: {path.name} -> a temporary generated file")
     model_plan, text = generate(str(path), trust_remote_code)
     with tempfile.TemporaryDirectory(prefix="verify-source-") as tmp:
         out = output_path(model_plan, Path(tmp))
@@ -160,6 +168,7 @@ def _verify_generated(
     layout,
     expert_parallel,
     backend=False,
+    progress=None,
 ) -> dict:
     from . import engine, reference, registration, tiny
 
@@ -203,7 +212,7 @@ def _verify_generated(
     if adjusted:
         result["adjusted"] = adjusted
         for note in adjusted:
-            print(f"note: {note}", file=sys.stderr)
+            progress.note(note)
     expected_module = f"generated.{path.stem}"
     with tempfile.TemporaryDirectory(prefix=f"verify-{path.stem}-") as tmp:
         if path.resolve().parent != GENERATED:
@@ -213,12 +222,24 @@ def _verify_generated(
                 path, causal_name, plugin_dir
             )
         ckpt = Path(tmp) / "checkpoint"
+        progress(
+            f"checkpoint: tiny random {causal_name} ({layout} names), safetensors"
+            + (
+                f"; features on: {', '.join(result['features'])}"
+                if result["features"]
+                else ""
+            )
+        )
         model = tiny.build_checkpoint(
             causal_cls, config, ckpt, raw_config=raw, layout=layout
         )
         prompts = prompts_for(model.config.vocab_size)
+        progress(
+            f"reference: transformers, greedy, {len(prompts)} prompts x {MAX_TOKENS} tokens"
+        )
         ref = reference.greedy_with_logprobs(model, prompts, MAX_TOKENS)
         del model
+        progress(f"engine: real vLLM, {arch}, TP={tp} PP={pp}")
         ran = engine.run(
             str(ckpt),
             arch,
@@ -229,8 +250,10 @@ def _verify_generated(
             expert_parallel=expert_parallel,
         )
         if backend:
+            progress("backend: vLLM's Transformers backend, same checkpoint")
             result["backend"] = _backend(str(ckpt), causal_name, prompts, ref, tp, pp)
 
+    progress(f"compare: tokens equal, logprobs within {TOLERANCE:g}")
     max_diff, tokens_equal = compare(prompts, ref, ran)
     generated_ran = ran.impl.startswith(f"{expected_module}:")
     result.update(
@@ -243,6 +266,18 @@ def _verify_generated(
         result["error"] = f"vLLM ran {ran.impl}, not the generated class"
     return result
 
+
+class _NoProgress:
+    total = 0
+
+    def __call__(self, what: str) -> None:
+        pass
+
+    def note(self, text: str) -> None:
+        print(f"note: {text}", file=sys.stderr)
+
+
+_no_progress = _NoProgress()
 
 BACKEND_MODULE = "vllm.model_executor.models.transformers"
 
@@ -272,8 +307,9 @@ def _backend(ckpt: str, arch: str, prompts, ref, tp: int, pp: int) -> dict:
     return out
 
 
-def compare(prompts, ref, ran) -> tuple[float, bool]:
-    """(max |logprob difference| along the shared greedy path, greedy tokens equal)."""
+def compare(prompts, ref, ran, prompt_positions: bool = True) -> tuple[float, bool]:
+    """(max |logprob difference| along the shared greedy path, greedy tokens equal).
+    `prompt_positions=False`: `ran` holds the generated positions' logprobs only."""
     diffs, tokens_equal = [], True
     for prompt, (ref_tokens, ref_lp), tokens, lps in zip(
         prompts, ref, ran.tokens, ran.logprobs
@@ -289,7 +325,8 @@ def compare(prompts, ref, ran) -> tuple[float, bool]:
             len(tokens),
         )
         n = len(prompt) - 1 + same + (1 if same < len(tokens) else 0)
-        diffs += [abs(a - b) for a, b in zip(want[:n], lps[:n])]
+        skip = 0 if prompt_positions else len(prompt) - 1
+        diffs += [abs(a - b) for a, b in zip(want[skip:n], lps[: n - skip])]
     return (max(diffs) if diffs else float("inf")), tokens_equal
 
 
@@ -308,6 +345,26 @@ def _safe_verify(target: str, **kwargs) -> tuple[int, dict]:
             "error": f"could not run: {type(exc).__name__}: {first}"[:500],
         }
     return (0 if result["ok"] else 1), result
+
+
+def verdict(r: dict) -> str:
+    """One line a person reads: did the generated class run, and how close was it."""
+    where = f"TP={r.get('tp', 1)} PP={r.get('pp', 1)}"
+    diff = r.get("max_abs_logprob_diff")
+    figures = f"max |dlogprob| {diff:.1e}" if isinstance(diff, float) else ""
+    if r.get("ok"):
+        return (
+            f"{r['arch']}: OK at {where}: {r['impl']} ran in vLLM; greedy tokens equal to "
+            f"transformers, {figures} <= {TOLERANCE:g}; parts: {r.get('fused', 0)} fused, "
+            f"{r.get('unfused', 0)} unfused, {r.get('refused', 0)} refused"
+        )
+    if r.get("error"):
+        return f"{r['arch']}: FAILED at {where}: {r['error']}"
+    return (
+        f"{r['arch']}: FAILED at {where}: tokens "
+        f"{'equal' if r.get('tokens_equal') else 'differ'}, {figures} "
+        f"(tolerance {TOLERANCE:g}); {r.get('impl')} ran"
+    )
 
 
 def table(rows: list[dict]) -> str:
@@ -401,6 +458,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="allow running a modeling file that is not part of the installed transformers",
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print only the JSON result on stdout (one object per model)",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show vLLM's and transformers' own log (by default kept aside, and its "
+        "last lines shown only when a run fails)",
+    )
     args = parser.parse_args(argv)
     if bool(args.all) == bool(args.target):
         parser.error("give one model (or a generated file), or --all")
@@ -421,15 +489,41 @@ def main(argv: list[str] | None = None) -> int:
         "backend": args.backend,
     }
     targets = generated_models() if args.all else [args.target]
-    results = [_safe_verify(t, **kwargs) for t in targets]
-    if args.all:
+    results = []
+    for target in targets:
+        code, result = _run_quietly(target, verbose=args.verbose, **kwargs)
+        results.append((code, result))
+        if code == 2:  # could not generate or run: one line, the reason
+            error = result["error"]
+            prefix = "" if error.startswith(result["arch"]) else f"{result['arch']}: "
+            print(f"error: {prefix}{error}", file=sys.stderr, flush=True)
+        elif not args.json:
+            print(verdict(result), flush=True)
+    if args.all and not args.json:
         print(table([r for _, r in results]))
-    for code, result in results:
-        if code == 2:
-            print(f"error: {result['arch']}: {result['error']}", file=sys.stderr)
     for _, result in results:
         print(json.dumps(result))
     return max(code for code, _ in results)
+
+
+def _run_quietly(target: str, verbose: bool, **kwargs) -> tuple[int, dict]:
+    """One verification with its progress lines; vLLM's log only if asked, or its
+    tail when the run did not pass."""
+    from .console import Progress, captured_output, tail
+
+    label = Path(target).stem if target.endswith(".py") else target
+    with captured_output(not verbose) as (stderr, read_log):
+        code, result = _safe_verify(
+            target, progress=Progress(label, 0, stderr), **kwargs
+        )
+        log = read_log() if code else ""
+    if log.strip():
+        print(
+            f"--- the last lines of vLLM's and transformers' log for {label} "
+            "(--verbose shows all of it) ---\n" + tail(log) + "\n---",
+            file=sys.stderr,
+        )
+    return code, result
 
 
 if __name__ == "__main__":

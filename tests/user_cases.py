@@ -1,0 +1,214 @@
+"""The engine runs behind test_user_features, all in one process (TP=1 engines run in
+process, so each start is seconds): `python tests/user_cases.py SPEC.json` prints one
+`CASE {json}` line per case of SPEC (a list of {"case": name, ...}).
+
+Each case builds its tiny checkpoint (features on, as `verify` builds it), the
+transformers model that computes what vLLM should compute from it, and one engine on
+the generated class (or on a copy of it, for the able-to-fail runs)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import user_checkpoints as uc  # noqa: E402
+from codemods import engine, reference, registration, tiny  # noqa: E402
+from codemods.verify import MAX_TOKENS, compare, prompts_for  # noqa: E402
+
+LAYER0 = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def build(arch: str, out: Path):
+    """(transformers model loaded back from `out`, prompts) for a tiny `arch`."""
+    causal = getattr(transformers, arch)
+    config = causal.config_class(**tiny.working_values(causal))
+    model = tiny.build_checkpoint(causal, config, out)
+    return model, prompts_for(model.config.vocab_size)
+
+
+def architecture(spec: dict, workdir: Path) -> str:
+    """The registered name of the generated class, or of the copy `spec` names."""
+    if not spec.get("generated_copy"):
+        return f"Generated{spec['arch']}"
+    plugin = workdir / "plugin"
+    plugin.mkdir(exist_ok=True)
+    arch, _ = registration.register_external(
+        Path(spec["generated_copy"]), spec["arch"], plugin
+    )
+    return arch
+
+
+def generate(llm, prompts, lora=None, prompt_logprobs=True):
+    """Greedy tokens and the logprob of each followed token, as `engine.run` reads them.
+    With a LoRA adapter only the generated positions: vLLM's CPU LoRA logits path
+    cannot return prompt logprobs (an einsum shape error in punica_cpu)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        logprobs=1,
+        prompt_logprobs=1 if prompt_logprobs else None,
+        detokenize=False,
+        ignore_eos=True,
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        params,
+        use_tqdm=False,
+        lora_request=lora,
+    )
+    tokens, logprobs = [], []
+    for prompt, out in zip(prompts, outs):
+        gen = list(out.outputs[0].token_ids)
+        seq = prompt + gen
+        row = (
+            [out.prompt_logprobs[i][seq[i]].logprob for i in range(1, len(prompt))]
+            if prompt_logprobs
+            else []
+        )
+        row += [lp[tok].logprob for tok, lp in zip(gen, out.outputs[0].logprobs)]
+        tokens.append(gen)
+        logprobs.append(row)
+    return engine.EngineResult("", tokens, logprobs)
+
+
+def layer0_modules(model) -> dict:
+    """{name: (wrapper class, quant scheme, kernel)} of layer 0's linears."""
+    out = {}
+    for name, module in model.named_modules():
+        if ".layers.0." in name and name.rsplit(".", 1)[-1] in LAYER0:
+            scheme = getattr(module, "scheme", None)
+            kernel = getattr(scheme, "kernel", None)
+            out[name.split(".layers.0.", 1)[1]] = [
+                type(module).__name__,
+                type(scheme).__name__ if scheme else None,
+                type(kernel).__name__ if kernel else None,
+            ]
+    return out
+
+
+def model_class(model) -> str:
+    return engine.model_class_name(model)
+
+
+def quantized(spec: dict, tmp: Path) -> dict:
+    model, prompts = build(spec["arch"], tmp / "base")
+    targets = [[f"re:.*\\.{p}$" for p in spec["quantize"]]]
+    dequantized = uc.quantize_w8a8(
+        tmp / "base", tmp / "w8a8", targets, spec.get("ignore", []), uc.WEIGHT_LEVELS
+    )
+    # the engine first: the cases that must fail fail at its start
+    llm = engine.start_llm(str(tmp / "w8a8"), architecture(spec, tmp))
+    ran = generate(llm, prompts)
+    ref = reference.greedy_with_logprobs(
+        uc.w8a8_reference(model, dequantized), prompts, MAX_TOKENS
+    )
+    tensors = {
+        k: v for k, v in uc.load_file(tmp / "w8a8" / "model.safetensors").items()
+    }
+    # layer 0's fused linears on one input, against the dequantized shards they hold
+    expected = {}
+    x_by_width = {}
+    for fused, shards in spec["layer0"].items():
+        weight = torch.cat(
+            [dequantized[f"model.layers.0.{s}.weight"] for s in shards], dim=0
+        )
+        biases = [tensors.get(f"model.layers.0.{s}.bias") for s in shards]
+        bias = torch.cat(biases) if all(b is not None for b in biases) else None
+        x = x_by_width.setdefault(
+            weight.shape[1],
+            torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(0)),
+        )
+        want = uc.fake_quantize_per_token(x) @ weight.T
+        expected[fused] = (x, want + bias if bias is not None else want)
+
+    def layer_errors(vllm_model) -> dict:
+        errors = {}
+        for fused, (x, want) in expected.items():
+            module = vllm_model.get_submodule(f"model.layers.0.{fused}")
+            with torch.no_grad():
+                got = module(x)
+            got = got[0] if isinstance(got, tuple) else got
+            errors[fused] = float((got - want).abs().max() / want.abs().max())
+        return errors
+
+    max_diff, tokens_equal = compare(prompts, ref, ran)
+    return {
+        "impl": llm.apply_model(model_class)[0],
+        "layers": llm.apply_model(layer0_modules)[0],
+        "layer_rel_error": llm.apply_model(layer_errors)[0],
+        "max_abs_logprob_diff": max_diff,
+        "tokens_equal": tokens_equal,
+    }
+
+
+def lora(spec: dict, tmp: Path) -> dict:
+    from vllm.lora.request import LoRARequest
+
+    model, prompts = build(spec["arch"], tmp / "base")
+    ref_base = reference.greedy_with_logprobs(model, prompts, MAX_TOKENS)
+    adapter = Path(spec.get("adapter_dir") or tmp / "adapter")
+    uc.make_lora_adapter(model, adapter, spec["targets"])
+    ref_adapter = reference.greedy_with_logprobs(model, prompts, MAX_TOKENS)
+    if spec.get("keep_checkpoint"):  # the server test serves the same files
+        import shutil
+
+        shutil.copytree(tmp / "base", spec["keep_checkpoint"])
+    llm = engine.start_llm(
+        str(tmp / "base"),
+        architecture(spec, tmp),
+        enable_lora=True,
+        max_lora_rank=uc.LORA_RANK,
+        max_loras=1,
+    )
+    base = generate(llm, prompts, prompt_logprobs=False)
+    with_adapter = generate(
+        llm, prompts, LoRARequest("adapter", 1, str(adapter)), prompt_logprobs=False
+    )
+    return {
+        "impl": llm.apply_model(model_class)[0],
+        "layers": llm.apply_model(layer0_modules)[0],
+        "base": compare(prompts, ref_base, base, prompt_positions=False),
+        "adapter": compare(prompts, ref_adapter, with_adapter, prompt_positions=False),
+        "adapter_vs_base_model": compare(
+            prompts, ref_base, with_adapter, prompt_positions=False
+        ),
+        "prompts": prompts,
+        "base_tokens": base.tokens,
+        "adapter_tokens": with_adapter.tokens,
+    }
+
+
+CASES = {"quantized": quantized, "lora": lora}
+
+
+def main(spec_path: str) -> None:
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    for spec in json.loads(Path(spec_path).read_text()):
+        start = time.time()
+        with tempfile.TemporaryDirectory(prefix=f"case-{spec['name']}-") as tmp:
+            try:
+                result = {"ok": True, **CASES[spec["case"]](spec, Path(tmp))}
+            except Exception as exc:  # the expected failures: vLLM's own message
+                lines = str(exc).strip().splitlines() or [""]
+                result = {"ok": False, "error": f"{type(exc).__name__}: {lines[0]}"}
+            finally:
+                cleanup_dist_env_and_memory()
+        result["seconds"] = round(time.time() - start, 1)
+        print("CASE " + json.dumps({"name": spec["name"], **result}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
