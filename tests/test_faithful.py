@@ -143,3 +143,31 @@ def test_a_non_attention_mixer_is_out_of_scope_in_one_line():
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and "Traceback" not in result.stderr
+
+
+def test_an_attention_that_computes_its_own_mask_is_refused(tmp_path):
+    """DeepSeek-V3.2-style sparse attention rebinds the mask from an indexer's top-k
+    before its attention call; vLLM's Attention takes no mask, so the class refuses
+    (a tiny probe whose top-k covers every token would not see the difference)."""
+    path = edited_modeling_file(
+        tmp_path,
+        "modeling_llama.py",
+        "        attention_interface: Callable = ",
+        "        attention_mask = attention_mask.masked_fill(query_states.sum(-1, keepdim=True) > 1e9, 0.0)\n"
+        "        attention_interface: Callable = ",
+    )
+    result = run_cli(
+        "codemods.apply",
+        str(path),
+        "--faithful",
+        "--trust-remote-code",
+        "--out",
+        str(tmp_path / "out"),
+    )
+    assert result.returncode == 2, result.stderr
+    assert (
+        "LlamaAttention.forward computes the mask it attends through (`attention_mask = ...`"
+        in result.stderr
+    )
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "out" / "llama.py").exists()

@@ -247,6 +247,27 @@ def _kwarg_exprs(call: cst.Call) -> dict[str, str]:
     return {a.keyword.value: code(a.value) for a in call.args if a.keyword is not None}
 
 
+def _mask_name(call: cst.Call) -> str | None:
+    """The variable handed to the attention interface as its mask (the fifth argument:
+    module, query, key, value, mask), if it is a plain name."""
+    for arg in call.args:
+        if arg.keyword is not None and arg.keyword.value == "attention_mask":
+            return arg.value.value if isinstance(arg.value, cst.Name) else None
+    positional = [a for a in call.args if a.keyword is None and not a.star]
+    if len(positional) > 4 and isinstance(positional[4].value, cst.Name):
+        return positional[4].value.value
+    return None
+
+
+def _assigned(forward: cst.FunctionDef, name: str) -> bool:
+    target = m.Name(name)
+    return bool(
+        m.findall(forward, m.AssignTarget(target=target))
+        or m.findall(forward, m.AugAssign(target=target))
+        or m.findall(forward, m.AnnAssign(target=target))
+    )
+
+
 def infer(
     info: ClassInfo, calls: list[AttentionCall], config, pymodule
 ) -> AttentionSpec:
@@ -262,6 +283,21 @@ def infer(
     if call_node is None:
         raise CodemodError(
             f"cannot generate: {info.name}.forward does not call its attention interface once"
+        )
+    from .rewrite import inference_folded
+
+    # on the path that runs under vLLM (GPT-2's cross-attention branch rebinds its mask)
+    try:
+        folded = inference_folded(info.forward)
+    except Exception:  # the copy stage reports what cannot be folded; check as written
+        folded = info.forward
+    folded_call = interface_call(folded)
+    mask = _mask_name(folded_call) if folded_call is not None else None
+    if mask is not None and _assigned(folded, mask):
+        raise CodemodError(
+            f"cannot generate: {info.name}.forward computes the mask it attends through "
+            f"(`{mask} = ...`, a mask that depends on the data, such as a sparse top-k "
+            "index), which vLLM's Attention cannot take"
         )
     kw_exprs = _kwarg_exprs(call_node)
     config_param = _config_param(info)
@@ -397,6 +433,14 @@ def infer(
 
     unknown = set(first.kwargs) - INERT_KWARGS - set(SCALE_KWARGS) - set(WINDOW_KWARGS)
     unknown -= set(SOFTCAP_KWARGS) | set(SINK_KWARGS)
+    for c in calls:  # a tensor it hands over carries data vLLM's Attention never sees
+        data = sorted(k for k in unknown if isinstance(c.kwargs.get(k), torch.Tensor))
+        if data:
+            raise CodemodError(
+                f"cannot generate: {c.path} hands its attention "
+                + ", ".join(f"`{k}=` (a tensor)" for k in data)
+                + ", which vLLM's Attention cannot take (a sparse top-k index, say)"
+            )
     notes = [
         f"`{k}=` ignored" for k in sorted(unknown) if first.kwargs.get(k) is not None
     ]
