@@ -109,6 +109,17 @@ def test_faithful_llama_keeps_the_source_and_fuses_the_proven_parts(faithful_lla
         assert gone not in text
 
 
+def apply_faithful(path, out):
+    return run_cli(
+        "codemods.apply",
+        str(path),
+        "--faithful",
+        "--trust-remote-code",
+        "--out",
+        str(out),
+    )
+
+
 def test_an_attention_that_counts_all_heads_in_a_reshape_is_replicated(tmp_path):
     """`view(bsz, q_len, config.num_attention_heads, -1)` holds only unsharded: the
     simulated two-rank run fails, so the class is replicated (and says why)."""
@@ -118,14 +129,7 @@ def test_an_attention_that_counts_all_heads_in_a_reshape_is_replicated(tmp_path)
         "attn_output = attn_output.reshape(*input_shape, -1).contiguous()",
         "attn_output = attn_output.reshape(*input_shape, self.config.num_attention_heads * self.head_dim).contiguous()",
     )
-    result = run_cli(
-        "codemods.apply",
-        str(path),
-        "--faithful",
-        "--trust-remote-code",
-        "--out",
-        str(tmp_path / "out"),
-    )
+    result = apply_faithful(path, tmp_path / "out")
     assert result.returncode == 0, result.stderr
     assert (
         "Unfused: tensor parallel (LlamaAttention): replicated: sharded over 2 ranks it fails"
@@ -156,14 +160,7 @@ def test_an_attention_that_computes_its_own_mask_is_refused(tmp_path):
         "        attention_mask = attention_mask.masked_fill(query_states.sum(-1, keepdim=True) > 1e9, 0.0)\n"
         "        attention_interface: Callable = ",
     )
-    result = run_cli(
-        "codemods.apply",
-        str(path),
-        "--faithful",
-        "--trust-remote-code",
-        "--out",
-        str(tmp_path / "out"),
-    )
+    result = apply_faithful(path, tmp_path / "out")
     assert result.returncode == 2, result.stderr
     assert (
         "LlamaAttention.forward computes the mask it attends through (`attention_mask = ...`"
