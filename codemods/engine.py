@@ -120,6 +120,42 @@ class _FusedLines:
         return False
 
 
+def greedy(
+    llm, prompts: list[list[int]], max_tokens: int, prompt_logprobs=True, lora=None
+) -> tuple[list[list[int]], list[list[float]]]:
+    """(greedy tokens, logprob of each followed token) per prompt: prompt positions 1..
+    then the generated ones, or only the generated ones without `prompt_logprobs`."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=max_tokens,
+        logprobs=1,
+        prompt_logprobs=1 if prompt_logprobs else None,
+        detokenize=False,
+        ignore_eos=True,
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        params,
+        use_tqdm=False,
+        lora_request=lora,
+    )
+    tokens, logprobs = [], []
+    for prompt, out in zip(prompts, outs):
+        gen = list(out.outputs[0].token_ids)
+        seq = prompt + gen
+        row = (
+            [out.prompt_logprobs[i][seq[i]].logprob for i in range(1, len(prompt))]
+            if prompt_logprobs
+            else []
+        )
+        row += [lp[tok].logprob for tok, lp in zip(gen, out.outputs[0].logprobs)]
+        tokens.append(gen)
+        logprobs.append(row)
+    return tokens, logprobs
+
+
 def run(
     model_dir: str,
     arch: str,
@@ -130,7 +166,6 @@ def run(
     expert_parallel: bool = False,
     model_impl: str | None = None,
 ) -> EngineResult:
-    from vllm import SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
     extra = {"enable_expert_parallel": True} if expert_parallel else {}
@@ -141,27 +176,7 @@ def run(
     result_fused = fused.lines
     try:
         impls = set(llm.apply_model(model_class_name))
-        params = SamplingParams(
-            temperature=0,
-            max_tokens=max_tokens,
-            logprobs=1,
-            prompt_logprobs=1,
-            detokenize=False,
-            ignore_eos=True,
-        )
-        outs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
-        )
-        tokens, logprobs = [], []
-        for prompt, out in zip(prompts, outs):
-            gen = list(out.outputs[0].token_ids)
-            seq = prompt + gen
-            row = [
-                out.prompt_logprobs[i][seq[i]].logprob for i in range(1, len(prompt))
-            ]
-            row += [lp[tok].logprob for tok, lp in zip(gen, out.outputs[0].logprobs)]
-            tokens.append(gen)
-            logprobs.append(row)
+        tokens, logprobs = greedy(llm, prompts, max_tokens)
     finally:
         del llm
         cleanup_dist_env_and_memory()

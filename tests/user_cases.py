@@ -49,37 +49,10 @@ def architecture(spec: dict, workdir: Path) -> str:
 
 
 def generate(llm, prompts, lora=None, prompt_logprobs=True):
-    """Greedy tokens and the logprob of each followed token, as `engine.run` reads them.
-    With a LoRA adapter only the generated positions: vLLM's CPU LoRA logits path
-    cannot return prompt logprobs (an einsum shape error in punica_cpu)."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(
-        temperature=0,
-        max_tokens=MAX_TOKENS,
-        logprobs=1,
-        prompt_logprobs=1 if prompt_logprobs else None,
-        detokenize=False,
-        ignore_eos=True,
-    )
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        params,
-        use_tqdm=False,
-        lora_request=lora,
-    )
-    tokens, logprobs = [], []
-    for prompt, out in zip(prompts, outs):
-        gen = list(out.outputs[0].token_ids)
-        seq = prompt + gen
-        row = (
-            [out.prompt_logprobs[i][seq[i]].logprob for i in range(1, len(prompt))]
-            if prompt_logprobs
-            else []
-        )
-        row += [lp[tok].logprob for tok, lp in zip(gen, out.outputs[0].logprobs)]
-        tokens.append(gen)
-        logprobs.append(row)
+    """`engine.greedy` as an EngineResult. With a LoRA adapter only the generated
+    positions: vLLM's CPU LoRA logits path cannot return prompt logprobs (an einsum
+    shape error in punica_cpu)."""
+    tokens, logprobs = engine.greedy(llm, prompts, MAX_TOKENS, prompt_logprobs, lora)
     return engine.EngineResult("", tokens, logprobs)
 
 
@@ -98,10 +71,6 @@ def layer0_modules(model) -> dict:
     return out
 
 
-def model_class(model) -> str:
-    return engine.model_class_name(model)
-
-
 def quantized(spec: dict, tmp: Path) -> dict:
     model, prompts = build(spec["arch"], tmp / "base")
     targets = [[f"re:.*\\.{p}$" for p in spec["quantize"]]]
@@ -114,9 +83,7 @@ def quantized(spec: dict, tmp: Path) -> dict:
     ref = reference.greedy_with_logprobs(
         uc.w8a8_reference(model, dequantized), prompts, MAX_TOKENS
     )
-    tensors = {
-        k: v for k, v in uc.load_file(tmp / "w8a8" / "model.safetensors").items()
-    }
+    tensors = uc.load_file(tmp / "w8a8" / "model.safetensors")
     # layer 0's fused linears on one input, against the dequantized shards they hold
     expected = {}
     x_by_width = {}
@@ -145,7 +112,7 @@ def quantized(spec: dict, tmp: Path) -> dict:
 
     max_diff, tokens_equal = compare(prompts, ref, ran)
     return {
-        "impl": llm.apply_model(model_class)[0],
+        "impl": llm.apply_model(engine.model_class_name)[0],
         "layers": llm.apply_model(layer0_modules)[0],
         "layer_rel_error": llm.apply_model(layer_errors)[0],
         "max_abs_logprob_diff": max_diff,
@@ -177,7 +144,7 @@ def lora(spec: dict, tmp: Path) -> dict:
         llm, prompts, LoRARequest("adapter", 1, str(adapter)), prompt_logprobs=False
     )
     return {
-        "impl": llm.apply_model(model_class)[0],
+        "impl": llm.apply_model(engine.model_class_name)[0],
         "layers": llm.apply_model(layer0_modules)[0],
         "base": compare(prompts, ref_base, base, prompt_positions=False),
         "adapter": compare(prompts, ref_adapter, with_adapter, prompt_positions=False),
