@@ -61,7 +61,9 @@ class Refusal:
 
     def describe(self) -> str:
         # one line, whatever source text the reason quotes
-        return " ".join(f"Refused: {self.what} ({self.source_class}): {self.reason}".split())
+        return " ".join(
+            f"Refused: {self.what} ({self.source_class}): {self.reason}".split()
+        )
 
 
 class PatternRefused(Exception):

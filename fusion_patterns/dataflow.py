@@ -44,14 +44,31 @@ def inputs_of(node: fx.Node) -> list[fx.Node]:
     return list(node.all_input_nodes)
 
 
+# reads of a tensor's metadata, which carry none of its values (Cohere's rope casts the
+# key back with `.to(dtype=q.dtype)`: no value of the query reaches the key)
+METADATA_ATTRS = {"dtype", "device", "shape", "ndim", "is_cuda"}
+METADATA_METHODS = {"size", "dim"}
+
+
+def _metadata_read(node: fx.Node) -> bool:
+    import operator
+
+    if node.op == "call_function" and node.target in (getattr, operator.attrgetter):
+        return len(node.args) > 1 and node.args[1] in METADATA_ATTRS
+    return node.op == "call_method" and node.target in METADATA_METHODS
+
+
 def upstream_linears(node: fx.Node, root: nn.Module) -> set[str]:
-    """Names of the nn.Linear submodules whose outputs flow into `node`."""
+    """Names of the nn.Linear submodules whose outputs flow into `node` (values, not
+    metadata: a dtype or a size read from a tensor is no dataflow from it)."""
     seen, found, stack = set(), set(), [node]
     while stack:
         current = stack.pop()
         if current in seen:
             continue
         seen.add(current)
+        if current is not node and _metadata_read(current):
+            continue
         if current.op == "call_module" and isinstance(
             root.get_submodule(str(current.target)), nn.Linear
         ):
