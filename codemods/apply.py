@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import manifest
+from . import layer_kinds, manifest
 from .emit import emit_body
 from .errors import CodemodError
 from . import faithful
@@ -21,7 +21,7 @@ from .files import DEFAULT_OUT, unified_diff, write_atomic
 from .plan import ModelPlan, plan
 from .render import render
 from .source import load
-from .structure import analyse
+from .structure import analyse, class_infos
 from .logs import quiet_vllm_logging
 from .validate import validate
 
@@ -36,11 +36,20 @@ def generate(
     it cannot be proven, the faithful layout emits every class from its source and
     fuses the parts the patterns prove (layout="faithful" forces it)."""
     source = load(name)
+    # every kind of layer the source can build, in the tiny configs that build them
+    causal_cls, kinds = layer_kinds.for_source(source, trust_remote_code)
+    values = None
+    if kinds is not None:
+        layer_kinds.refuse_unservable(causal_cls, kinds, class_infos(source.module))
+        values = kinds.primary
     why = "requested with --faithful"
     if layout != "faithful":
         try:
             structure = analyse(source)
-            validate(structure, trust_remote_code)
+            same = (
+                causal_cls is not None and structure.causal.name == causal_cls.__name__
+            )
+            validate(structure, trust_remote_code, values if same else None)
             model_plan = plan(structure)
             return model_plan, render(model_plan, emit_body(model_plan))
         except CodemodError as exc:
@@ -52,7 +61,9 @@ def generate(
         if layout == "native":
             raise CodemodError(f"cannot generate the native layout: {why}")
     try:
-        model_plan, body = faithful.generate(source, trust_remote_code, why=why)
+        model_plan, body = faithful.generate(
+            source, trust_remote_code, why=why, values=values
+        )
     except CodemodError as exc:
         message = str(exc)
         if (

@@ -165,10 +165,13 @@ def run(
     pp: int = 1,
     expert_parallel: bool = False,
     model_impl: str | None = None,
+    block_size: int | None = None,
 ) -> EngineResult:
     from vllm.distributed import cleanup_dist_env_and_memory
 
     extra = {"enable_expert_parallel": True} if expert_parallel else {}
+    if block_size:
+        extra["block_size"] = block_size
     if model_impl:
         extra["model_impl"] = model_impl
     with _FusedLines() as fused:

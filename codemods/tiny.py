@@ -136,14 +136,16 @@ def tiny_values(config_cls, overrides: dict | None = None) -> dict:
     fields = config_cls().to_dict()
     # sizes under the config's own field names (GPT-2's n_embd for hidden_size, ...)
     alias = getattr(config_cls, "attribute_map", {}) or {}
-    values = {
-        alias.get(k, k): v for k, v in SIZES.items() if alias.get(k, k) in fields
-    }
+    values = {alias.get(k, k): v for k, v in SIZES.items() if alias.get(k, k) in fields}
     fit_latent_attention(values, fields)
     values.update(feature_values(config_cls))
     # sub-configs (DBRX's attn_config / ffn_config): their features too
     for name, sub_cls in (getattr(config_cls, "sub_configs", None) or {}).items():
-        if isinstance(sub_cls, type) and name in fields and isinstance(fields[name], dict):
+        if (
+            isinstance(sub_cls, type)
+            and name in fields
+            and isinstance(fields[name], dict)
+        ):
             sub = {k: v for k, v in feature_values(sub_cls).items()}
             if sub:
                 values[name] = {**fields[name], **sub}
@@ -175,7 +177,11 @@ def variants(config_cls, values: dict):
         # a head size the source's own defaults assume (rope sections sized for 128)
         fixes.append(lambda v: v.update(head_dim=128))
     layers_field = next(
-        (k for k in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") if k in values),
+        (
+            k
+            for k in ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
+            if k in values
+        ),
         None,
     )
     if layers_field:
@@ -213,7 +219,9 @@ def variants(config_cls, values: dict):
         fixes.append(
             lambda v: v.update({k: dict(v[k], rope_theta=10000.0) for k in subs})
         )
-    drops = [n for n in feature_values(config_cls) if n in values and n != "layer_types"]
+    drops = [
+        n for n in feature_values(config_cls) if n in values and n != "layer_types"
+    ]
     singles = [((), None)] + [((f,), None) for f in fixes] + [((), d) for d in drops]
     pairs = [(c, None) for c in itertools.combinations(fixes, 2)]
     mixed = [((f,), d) for d in drops for f in fixes]
@@ -265,9 +273,26 @@ def _small_enough(causal_cls, config) -> None:
         )
 
 
+def check_runs(causal_cls, values: dict) -> None:
+    """Raise unless `values` build a small model that runs a forward in transformers
+    (and its eager and sdpa attention agree)."""
+    config = causal_cls.config_class(**values)
+    config._attn_implementation = "eager"
+    _small_enough(causal_cls, config)
+    torch.manual_seed(0)
+    model = causal_cls(config).float().eval()
+    ids = (torch.arange(7)[None] * 37) % VOCAB
+    with torch.no_grad():
+        eager = model(input_ids=ids, use_cache=False).logits
+    _same_under_sdpa(model, config, ids, eager)
+
+
 def working_values(causal_cls, overrides: dict | None = None) -> dict:
     """The first of `variants` whose model builds and runs a forward in transformers
-    (the error of the plain tiny values when none does)."""
+    (the error of the plain tiny values when none does), with every length at which
+    attention changes what it computes inside the verification prompts."""
+    from . import length_regimes
+
     config_cls = causal_cls.config_class
     base = tiny_values(config_cls, overrides)
     first_error = None
@@ -276,18 +301,11 @@ def working_values(causal_cls, overrides: dict | None = None) -> dict:
             break
         values = {**values, **(overrides or {})}
         try:
-            config = config_cls(**values)
-            config._attn_implementation = "eager"
-            _small_enough(causal_cls, config)
-            torch.manual_seed(0)
-            model = causal_cls(config).float().eval()
-            ids = (torch.arange(7)[None] * 37) % VOCAB
-            with torch.no_grad():
-                eager = model(input_ids=ids, use_cache=False).logits
-            _same_under_sdpa(model, config, ids, eager)
-            return values
+            check_runs(causal_cls, values)
         except Exception as exc:  # noqa: BLE001 - the source's own failure
             first_error = first_error or exc
+            continue
+        return length_regimes.shrink(causal_cls, values, keep=set(overrides or {}))
     raise first_error
 
 
@@ -408,12 +426,35 @@ def features_on(config) -> list[str]:
         value = getattr(config, name, plain)
         if value not in (plain, None):
             on.append(f"{name}={value}")
+    on += _lengths_inside(config)
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
         on.append(f"rope_type={rope['rope_type']}")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         on.append(f"partial_rotary_factor={rope['partial_rotary_factor']}")
     return on
+
+
+def _lengths_inside(config) -> list[str]:
+    """The lengths `length_regimes.shrink` moved inside the prompts (`field=32`)."""
+    from .length_regimes import SMALL
+
+    try:
+        defaults = type(config)().to_dict()
+    except Exception:  # noqa: BLE001 - a config class with required fields
+        return []
+    out = []
+    for key, value in config.to_dict().items():
+        default = defaults.get(key)
+        if value == SMALL and isinstance(value, int) and default != SMALL:
+            out.append(f"{key}={value}")
+        elif isinstance(value, dict) and isinstance(default, dict):
+            out += [
+                f"{key}.{k}={v}"
+                for k, v in value.items()
+                if v == SMALL and isinstance(v, int) and default.get(k) != SMALL
+            ]
+    return out
 
 
 @torch.no_grad()

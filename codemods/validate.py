@@ -59,16 +59,21 @@ def _capture_calls(model, modules: list, vocab: int) -> list[dict]:
     return seen
 
 
-def validate(structure: ModelStructure, trust_remote_code: bool = False) -> None:
-    """Prove every fusion in `structure`; drop (and record) the ones that fail."""
+def validate(
+    structure: ModelStructure,
+    trust_remote_code: bool = False,
+    values: dict | None = None,
+) -> None:
+    """Prove every fusion in `structure` on the tiny model of `values` (default: the
+    tiny config); drop (and record) the ones that fail."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
     # vLLM's layers (the fused forms the proofs run) read the current config when built
     with set_current_vllm_config(VllmConfig()):
-        _validate(structure, trust_remote_code)
+        _validate(structure, trust_remote_code, values)
 
 
-def _validate(structure: ModelStructure, trust_remote_code: bool) -> None:
+def _validate(structure: ModelStructure, trust_remote_code: bool, values) -> None:
     import torch
 
     s = structure
@@ -81,7 +86,11 @@ def _validate(structure: ModelStructure, trust_remote_code: bool) -> None:
         (moes[0].experts.gate_up, moes[0].experts.down) if moes else None,
     )
     try:
-        config = tiny.tiny_config(causal_cls.config_class)
+        config = (
+            causal_cls.config_class(**values)
+            if values is not None
+            else tiny.tiny_config(causal_cls.config_class)
+        )
         config._attn_implementation = "eager"
         torch.manual_seed(0)
         model = causal_cls(config).float().eval()

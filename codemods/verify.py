@@ -16,6 +16,7 @@ import os
 import re
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CodemodError
@@ -170,7 +171,7 @@ def _verify_generated(
     backend=False,
     progress=None,
 ) -> dict:
-    from . import engine, reference, registration, tiny
+    from . import registration
 
     header = read_header(path)
     for key, value in header.get("environment", {}).items():
@@ -179,41 +180,45 @@ def _verify_generated(
     causal_cls = reference_class(
         header["source"].strip(), causal_name, trust_remote_code
     )
-    config_cls = causal_cls.config_class
-    raw = None
-    if config_json is not None:
-        raw = tiny.shrink(config_json, overrides)
-        adjusted = tiny.fit_parallel(raw, tp, pp)
-        config = config_cls.from_dict(raw)
-    else:
-        try:
-            values = tiny.working_values(causal_cls, overrides)
-        except Exception as exc:  # the source's own model fails: say so in one line
-            raise CodemodError(
-                f"cannot build a tiny {causal_name} from the source: "
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            ) from None
-        adjusted = tiny.fit_parallel(values, tp, pp)
-        config = config_cls(**values)
+    configs = tiny_configs(
+        header["source"].strip(),
+        causal_cls,
+        overrides,
+        config_json,
+        tp,
+        pp,
+        trust_remote_code,
+    )
     result = {
         "arch": path.stem,
         "impl": None,
         "tp": tp,
         "pp": pp,
-        "features": tiny.features_on(config),
+        "features": configs[0].features,
+        "kinds": sorted(set().union(*(c.kinds for c in configs))),
+        "layer_types": _layer_types(configs),
+        "tiny_configs": len(configs),
         "fused": int(header["fused"]),
         "refused": int(header["refused"]),
         "unfused": int(header["unfused"]),
     }
+    if len(configs) > 1:
+        progress.total += 4 * (len(configs) - 1)
     if layout != "saved":
         result["layout"] = layout
     if expert_parallel:
         result["expert_parallel"] = True
+    adjusted = [n for c in configs for n in c.adjusted]
     if adjusted:
-        result["adjusted"] = adjusted
-        for note in adjusted:
+        result["adjusted"] = list(dict.fromkeys(adjusted))
+        for note in result["adjusted"]:
             progress.note(note)
     expected_module = f"generated.{path.stem}"
+    # vLLM's chunked local attention needs its chunk to be whole KV-cache blocks
+    block_size = (
+        32 if "ChunkedLocalAttention(" in path.read_text(encoding="utf-8") else None
+    )
+    runs = []
     with tempfile.TemporaryDirectory(prefix=f"verify-{path.stem}-") as tmp:
         if path.resolve().parent != GENERATED:
             plugin_dir = Path(tmp) / "plugin"
@@ -221,50 +226,191 @@ def _verify_generated(
             arch, expected_module = registration.register_external(
                 path, causal_name, plugin_dir
             )
-        ckpt = Path(tmp) / "checkpoint"
-        progress(
-            f"checkpoint: tiny random {causal_name} ({layout} names), safetensors"
-            + (
-                f"; features on: {', '.join(result['features'])}"
-                if result["features"]
-                else ""
+        for i, tiny_config in enumerate(configs):
+            runs.append(
+                _run_one(
+                    tiny_config,
+                    causal_cls,
+                    arch,
+                    Path(tmp) / f"checkpoint-{i}",
+                    layout,
+                    tp,
+                    pp,
+                    expert_parallel,
+                    backend,
+                    block_size,
+                    progress,
+                    f" (config {i + 1} of {len(configs)})" if len(configs) > 1 else "",
+                )
             )
-        )
-        model = tiny.build_checkpoint(
-            causal_cls, config, ckpt, raw_config=raw, layout=layout
-        )
-        prompts = prompts_for(model.config.vocab_size)
-        progress(
-            f"reference: transformers, greedy, {len(prompts)} prompts x {MAX_TOKENS} tokens"
-        )
-        ref = reference.greedy_with_logprobs(model, prompts, MAX_TOKENS)
-        del model
-        progress(f"engine: real vLLM, {arch}, TP={tp} PP={pp}")
-        ran = engine.run(
-            str(ckpt),
-            arch,
-            prompts,
-            MAX_TOKENS,
-            tp=tp,
-            pp=pp,
-            expert_parallel=expert_parallel,
-        )
-        if backend:
-            progress("backend: vLLM's Transformers backend, same checkpoint")
-            result["backend"] = _backend(str(ckpt), causal_name, prompts, ref, tp, pp)
-
-    progress(f"compare: tokens equal, logprobs within {TOLERANCE:g}")
-    max_diff, tokens_equal = compare(prompts, ref, ran)
-    generated_ran = ran.impl.startswith(f"{expected_module}:")
+    worst = max(runs, key=lambda r: (not r["ok_numbers"], r["max_abs_logprob_diff"]))
+    generated_ran = all(r["impl"].startswith(f"{expected_module}:") for r in runs)
     result.update(
+        impl=worst["impl"],
+        max_abs_logprob_diff=worst["max_abs_logprob_diff"],
+        tokens_equal=all(r["tokens_equal"] for r in runs),
+        ok=bool(generated_ran and all(r["ok_numbers"] for r in runs)),
+    )
+    if len(configs) > 1:
+        result["configs"] = [
+            {
+                "kinds": sorted(c.kinds),
+                "changed": c.changed,
+                "max_abs_logprob_diff": r["max_abs_logprob_diff"],
+                "tokens_equal": r["tokens_equal"],
+            }
+            for c, r in zip(configs, runs)
+        ]
+    if backend:
+        result["backend"] = runs[0]["backend"]
+    if not generated_ran:
+        bad = next(
+            r["impl"] for r in runs if not r["impl"].startswith(f"{expected_module}:")
+        )
+        result["error"] = f"vLLM ran {bad}, not the generated class"
+    return result
+
+
+def _layer_types(configs) -> dict[str, list[str]]:
+    """{per-layer list of the configs: the distinct values their layers take}."""
+    out: dict[str, set] = {}
+    for c in configs:
+        n = getattr(c.config, "num_hidden_layers", None)
+        for key, value in c.config.to_dict().items():
+            if (
+                isinstance(value, list)
+                and len(value) == n
+                and value
+                and all(isinstance(v, str) for v in value)
+            ):
+                out.setdefault(key, set()).update(value)
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+@dataclass
+class TinyConfig:
+    """One tiny checkpoint verify runs: its config, the published config.json it came
+    from (`--config`), what was fitted for the ranks, the layer kinds it builds."""
+
+    config: object
+    raw: dict | None
+    adjusted: list[str]
+    kinds: set[str]
+    features: list[str]
+    changed: dict  # what this config sets beyond the first one
+
+
+def tiny_configs(
+    source: str, causal_cls, overrides, config_json, tp, pp, trust_remote_code
+) -> list[TinyConfig]:
+    """The tiny configs to verify: a published config shrunk (`--config`), the tiny
+    values with `--override`s, or else every config `layer_kinds.cover` needs to build
+    each kind of layer the source can build."""
+    from . import layer_kinds, tiny
+
+    config_cls = causal_cls.config_class
+    if config_json is not None:
+        raw = tiny.shrink(config_json, overrides)
+        adjusted = tiny.fit_parallel(raw, tp, pp)
+        config = config_cls.from_dict(raw)
+        return [_tiny(causal_cls, raw, config, raw, adjusted, {})]
+    try:
+        values = tiny.working_values(causal_cls, overrides)
+    except Exception as exc:  # the source's own model fails: say so in one line
+        raise CodemodError(
+            f"cannot build a tiny {causal_cls.__name__} from the source: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
+    variants = [values]
+    if not overrides:  # what the user set is what runs
+        from .loading import load_module
+        from .source import load
+        from .structure import class_infos
+
+        src = load(Path(source).name if source.startswith("transformers/") else source)
+        load_module(src, trust_remote_code)
+        variants = layer_kinds.cover(
+            causal_cls, src.module, class_infos(src.module), values
+        ).variants
+    out = []
+    for v in variants:
+        v = json.loads(json.dumps(v))
+        adjusted = tiny.fit_parallel(v, tp, pp)
+        changed = {k: x for k, x in v.items() if variants[0].get(k) != x}
+        out.append(_tiny(causal_cls, v, config_cls(**v), None, adjusted, changed))
+    return out
+
+
+def _tiny(causal_cls, values, config, raw, adjusted, changed) -> TinyConfig:
+    from . import layer_kinds, tiny
+
+    built = layer_kinds.built_classes(causal_cls, values) or set()
+    module = causal_cls.__module__
+    kinds = {
+        n
+        for n in built
+        if getattr(getattr(importlib.import_module(module), n, None), "__module__", "")
+        == module
+    }
+    return TinyConfig(config, raw, adjusted, kinds, tiny.features_on(config), changed)
+
+
+def _run_one(
+    tc: TinyConfig,
+    causal_cls,
+    arch,
+    ckpt,
+    layout,
+    tp,
+    pp,
+    expert_parallel,
+    backend,
+    block_size,
+    progress,
+    label,
+) -> dict:
+    """One tiny checkpoint: transformers' greedy reference against the engine's."""
+    from . import engine, reference, tiny
+
+    progress(
+        f"checkpoint{label}: tiny random {causal_cls.__name__} ({layout} names), safetensors"
+        + (f"; features on: {', '.join(tc.features)}" if tc.features else "")
+    )
+    model = tiny.build_checkpoint(
+        causal_cls, tc.config, ckpt, raw_config=tc.raw, layout=layout
+    )
+    prompts = prompts_for(model.config.vocab_size)
+    progress(
+        f"reference{label}: transformers, greedy, {len(prompts)} prompts x {MAX_TOKENS} tokens"
+    )
+    ref = reference.greedy_with_logprobs(model, prompts, MAX_TOKENS)
+    del model
+    progress(f"engine{label}: real vLLM, {arch}, TP={tp} PP={pp}")
+    ran = engine.run(
+        str(ckpt),
+        arch,
+        prompts,
+        MAX_TOKENS,
+        tp=tp,
+        pp=pp,
+        expert_parallel=expert_parallel,
+        block_size=block_size,
+    )
+    out = {}
+    if backend:
+        progress(f"backend{label}: vLLM's Transformers backend, same checkpoint")
+        out["backend"] = _backend(
+            str(ckpt), causal_cls.__name__, prompts, ref, tp, pp, block_size
+        )
+    progress(f"compare{label}: tokens equal, logprobs within {TOLERANCE:g}")
+    max_diff, tokens_equal = compare(prompts, ref, ran)
+    out.update(
         impl=ran.impl,
         max_abs_logprob_diff=max_diff,
         tokens_equal=tokens_equal,
-        ok=bool(generated_ran and tokens_equal and max_diff <= TOLERANCE),
+        ok_numbers=bool(tokens_equal and max_diff <= TOLERANCE),
     )
-    if not generated_ran:
-        result["error"] = f"vLLM ran {ran.impl}, not the generated class"
-    return result
+    return out
 
 
 class _NoProgress:
@@ -282,13 +428,22 @@ _no_progress = _NoProgress()
 BACKEND_MODULE = "vllm.model_executor.models.transformers"
 
 
-def _backend(ckpt: str, arch: str, prompts, ref, tp: int, pp: int) -> dict:
+def _backend(
+    ckpt: str, arch: str, prompts, ref, tp: int, pp: int, block_size=None
+) -> dict:
     """vLLM's Transformers backend on the same checkpoint, for comparison."""
     from . import engine
 
     try:
         ran = engine.run(
-            ckpt, arch, prompts, MAX_TOKENS, tp=tp, pp=pp, model_impl="transformers"
+            ckpt,
+            arch,
+            prompts,
+            MAX_TOKENS,
+            tp=tp,
+            pp=pp,
+            model_impl="transformers",
+            block_size=block_size,
         )
     except Exception as exc:  # the backend cannot serve it: say why, in one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

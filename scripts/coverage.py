@@ -96,7 +96,44 @@ def run_one(name: str, backend: bool) -> dict:
     row["verify"] = {k: v for k, v in result.items() if k != "backend"}
     row["backend"] = result.get("backend")
     row["status"] = "verified" if result.get("ok") else "failed"
+    missed = unverified_kinds(name, result.get("kinds"))
+    if row["status"] == "verified" and missed:
+        # a kind of layer the source can build that no verify run built: not verified
+        row.update(
+            status="bug",
+            reason="verified without building "
+            + ", ".join(missed)
+            + " (a kind of layer its config class can build)",
+        )
     return row
+
+
+def unverified_kinds(name: str, kinds: list[str] | None) -> list[str]:
+    """The classes the source's constructors can build on some branch that the verify
+    runs did not build."""
+    from codemods import branches, layer_kinds, loading
+    from codemods.faithful.generate import pick_causal
+    from codemods.source import load
+    from codemods.structure import class_infos
+
+    if kinds is None:
+        return []
+    src = load(name)
+    classes = class_infos(src.module)
+    causal = pick_causal(loading.load_module(src), classes, src)
+    reachable = layer_kinds._modules(
+        causal, branches.reachable_kinds(classes, causal.__name__, set(kinds))
+    )
+    return sorted(set(reachable) - set(kinds))
+
+
+def layer_types_cell(verify: dict) -> str:
+    """The layer types the verify runs built: each per-layer list's values, and the
+    number of tiny configs (a config-wide switch takes a second)."""
+    types = verify.get("layer_types") or {}
+    text = "; ".join(f"{k}: {', '.join(v)}" for k, v in types.items()) or "uniform"
+    n = verify.get("tiny_configs", 1)
+    return text + (f" ({n} configs)" if n > 1 else "")
 
 
 def _cell(text: str) -> str:
@@ -133,8 +170,8 @@ def markdown(
             else ""
         ),
         "",
-        "| file | model types | result | layout | fused / unfused | verify | backend | backend fused |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| file | model types | result | layout | fused / unfused | layer types verified | verify | backend | backend fused |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         types = ", ".join(files.get(r["file"], []))
@@ -166,8 +203,9 @@ def markdown(
                 sum(1 for line in b.get("fused", []) if line.startswith("Fused:"))
             )
             result = r["status"]
+            kinds = layer_types_cell(v)
         else:
-            verify = backend = parts = bfused = "-"
+            verify = backend = parts = bfused = kinds = "-"
             result = f"{r['status']}: {r.get('reason', '')}"
         lines.append(
             "| "
@@ -179,6 +217,7 @@ def markdown(
                     result[:300],
                     r.get("layout", "-"),
                     parts,
+                    kinds,
                     verify[:200],
                     backend[:200],
                     bfused,
@@ -191,6 +230,11 @@ def markdown(
         '"fused / unfused" counts the generated file\'s `Fused:` and `Unfused:` report',
         'lines; "backend fused" counts the `Fused:` lines vLLM\'s Transformers backend',
         "logged for the same checkpoint. `benchmarks/coverage.json` has every line of both.",
+        '"layer types verified" lists the values every per-layer list took in the tiny',
+        "configs verify ran (one layer on each side of every per-layer switch the source's",
+        "constructors branch on); a config-wide switch (an RMSNorm or a LayerNorm) takes a",
+        "second config. A verified row whose source can build a class its runs did not",
+        'build would be a "bug" row.',
         "",
     ]
     return "\n".join(lines)

@@ -5,7 +5,9 @@ Kinds: a faithful attention with QKV fused inside it (granite_swa: sinks, window
 multipliers; vLLM's Transformers backend gives wrong tokens on it), a faithful MoE block
 (afmoe: its own sigmoid router and shared experts, no TP plan), a parallel attention +
 MLP layer (phi), a GPT-2-style model (gpt2: learned positions, Conv1D, no TP plan), and
-a model's own eager attention (bloom: ALiBi; gpt_neo: windows on every other layer).
+a model's own eager attention (bloom: ALiBi; gpt_neo: windows on every other layer),
+and a source whose config-wide switch needs two tiny configs (cohere2_moe: an RMSNorm or a
+LayerNorm by `rms_norm_eps`, dense layers among its MoE layers).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from conftest import run_cli, verify_in_one_process
 pytestmark = pytest.mark.engine
 
 KINDS = ["granite_swa", "afmoe", "phi", "gpt2"]
-TP1 = KINDS + ["bloom", "gpt_neo", "opt", "axk1"]
+TP1 = KINDS + ["bloom", "gpt_neo", "opt", "axk1", "cohere2_moe"]
 
 
 def test_every_kind_verifies_at_tp1():
@@ -29,6 +31,12 @@ def test_every_kind_verifies_at_tp1():
         assert result["impl"].startswith(f"generated.{model}:"), (model, result)
         assert result["unfused"] > 0  # faithful parts, reported
         assert result["max_abs_logprob_diff"] <= 1e-4 and result["tokens_equal"]
+    two = results[TP1.index("cohere2_moe")]
+    assert two["tiny_configs"] == 2 and len(two["configs"]) == 2
+    assert {"Cohere2MoeRMSNorm", "Cohere2MoeLayerNorm", "Cohere2MoeMLP"} <= set(
+        two["kinds"]
+    )
+    assert two["layer_types"]["mlp_layer_types"] == ["dense", "sparse"]
 
 
 # One layout per kind here (each run starts two engine processes); the full grid, every

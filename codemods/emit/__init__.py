@@ -31,7 +31,14 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("vllm.model_executor.layers.activation", ("get_act_and_mul_fn",)),
-    ("vllm.model_executor.layers.attention", ("Attention", "Attention as VllmAttention")),
+    (
+        "vllm.model_executor.layers.attention",
+        ("Attention", "Attention as VllmAttention"),
+    ),
+    (
+        "vllm.model_executor.layers.attention.chunked_local_attention",
+        ("ChunkedLocalAttention",),
+    ),
     ("vllm.model_executor.layers.fused_moe", ("FusedMoEFactory", "GateLinear")),
     ("vllm.model_executor.layers.layernorm", ("GemmaRMSNorm", "RMSNorm")),
     (

@@ -67,11 +67,15 @@ class AttentionSpec:
     alibi: str | None = None  # an expression for the ALiBi slopes
     # q/k/v proven to merge (fusion_patterns.qkv): one QKVParallelLinear
     qkv: object = None
+    # attention within aligned chunks of this many tokens (Llama 4's local layers):
+    # vLLM's ChunkedLocalAttention on the layers where it is not None
+    chunk: str | None = None
 
     def describe(self) -> str:
         extra = [
             f"scale={self.scale}",
             *([f"window={self.window}"] if self.window else []),
+            *([f"chunk={self.chunk}"] if self.chunk else []),
             *([f"soft-cap={self.softcap}"] if self.softcap else []),
             *([f"sinks={self.sinks}"] if self.sinks else []),
             *([f"alibi={self.alibi}"] if self.alibi else []),
@@ -188,10 +192,18 @@ def _int_candidates(info: ClassInfo, instance, config_param, preferred) -> list[
 def window_of(mask, tokens: int) -> int | None | object:
     """The sliding window a mask encodes: None for plain causal, the window size, or
     _FAILED for a mask that is neither (bidirectional, chunked, padded)."""
+    kind, size = mask_kind(mask, tokens)
+    return size if kind in ("causal", "window") else _FAILED
+
+
+def mask_kind(mask, tokens: int) -> tuple[str, int | None]:
+    """What a mask encodes: ("causal", None), ("window", w) (each query sees its last w
+    tokens), ("chunk", c) (causal within aligned chunks of c tokens), or ("other", None).
+    """
     import torch
 
     if mask is None:
-        return _FAILED
+        return "other", None
     if mask.dtype == torch.bool:
         allowed = mask
     else:
@@ -199,20 +211,50 @@ def window_of(mask, tokens: int) -> int | None | object:
     allowed = allowed.reshape(-1, *allowed.shape[-2:])[0]
     q_len, k_len = allowed.shape
     if q_len != tokens or k_len < tokens:
-        return _FAILED
+        return "other", None
     allowed = allowed[:, k_len - tokens :]
     i = torch.arange(tokens)[:, None]
     j = torch.arange(tokens)[None, :]
     causal = j <= i
     if torch.equal(allowed, causal):
-        return None
+        return "causal", None
     for w in range(1, tokens):
         if torch.equal(allowed, causal & (i - j < w)):
-            return w
-    return _FAILED
+            return "window", w
+    for c in range(1, tokens):
+        if torch.equal(allowed, causal & (i // c == j // c)):
+            return "chunk", c
+    return "other", None
 
 
-def reference(query, key, value, scale, window, softcap, sinks, alibi=None):
+def per_layer_candidates(
+    info: ClassInfo, config, config_param: str | None, words: tuple[str, ...]
+) -> list[str]:
+    """Expressions for a per-layer length the source applies only through the masks its
+    model builds by layer type: `self.<x>`, `config.<field>`, and `(config.<field> if
+    config.<types>[<layer index>] == "<type>" else None)` for each per-layer type list
+    (Llama 4's chunks on its "chunked_attention" layers)."""
+    fields = [
+        k for k in vars(config) if any(w in k for w in words) and not k.startswith("_")
+    ]
+    cfg = config_param or "self.config"
+    out = [f"self.{a}" for a in info.attrs if any(w in a for w in words)]
+    out += [f"{cfg}.{k}" for k in fields]
+    n = getattr(config, "num_hidden_layers", None)
+    lists = [
+        k
+        for k, v in vars(config).items()
+        if isinstance(v, list) and len(v) == n and all(isinstance(x, str) for x in v)
+    ]
+    for k in fields:
+        for t in lists:
+            for kind in dict.fromkeys(getattr(config, t)):
+                for idx in ("self.layer_idx", "layer_idx", "self.layer_id", "layer_id"):
+                    out.append(f'({cfg}.{k} if {cfg}.{t}[{idx}] == "{kind}" else None)')
+    return out
+
+
+def reference(query, key, value, scale, window, softcap, sinks, alibi=None, chunk=None):
     """What vLLM's `Attention` computes, written out: [1, H, S, D] -> [S, H * Dv]."""
     import torch
 
@@ -232,6 +274,8 @@ def reference(query, key, value, scale, window, softcap, sinks, alibi=None):
     allowed = j <= i
     if window:
         allowed = allowed & (i - j < window)
+    if chunk:
+        allowed = allowed & (i // chunk == j // chunk)
     logits = logits.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
         sink = sinks.float().reshape(heads, 1, 1).expand(heads, tokens, 1)
@@ -382,29 +426,39 @@ def infer(
                 f"cannot generate: {info.name}'s attention scale `{src}` is not an attribute set in __init__"
             )
 
-    # the window: what the mask each layer receives encodes
-    windows = [window_of(c.mask, tokens) for c in calls]
-    for c, w in zip(calls, windows):
-        if w is _FAILED:
+    # the window and the chunk: what the mask each layer receives encodes, checked
+    # against the window the source hands its attention function
+    kinds = [mask_kind(c.mask, tokens) for c in calls]
+    for c, (kind, _) in zip(calls, kinds):
+        if kind == "other":
             raise CodemodError(
                 f"cannot generate: {c.path} receives an attention mask that is neither "
-                "causal nor a causal sliding window"
+                "causal, a causal sliding window nor causal chunks"
             )
-    window_expr = None
-    if any(w is not None for w in windows):
-        candidates = [kw_exprs[k] for k in WINDOW_KWARGS if k in kw_exprs]
-        candidates += [f"self.{a}" for a in info.attrs if "window" in a]
-        # a window the source applies only through the mask it builds from the config
-        fields = [k for k in vars(config) if "window" in k and not k.startswith("_")]
-        if config_param:
-            candidates += [f"{config_param}.{k}" for k in fields]
-        if getattr(inst, "config", None) is config:
-            candidates += [f"self.config.{k}" for k in fields]
-        window_expr = _expression_for(candidates, windows, envs)
+    windows = [w if k == "window" else None for k, w in kinds]
+    chunks = [w if k == "chunk" else None for k, w in kinds]
+    window_expr = _window_argument(info, kw_exprs, windows, envs, tokens)
+    if window_expr is None and any(w is not None for w in windows):
+        window_expr = _expression_for(
+            per_layer_candidates(info, config, config_param, ("window",)), windows, envs
+        )
         if window_expr is None:
             raise CodemodError(
                 f"cannot generate: {info.name} attends through sliding windows "
                 f"{sorted({w for w in windows if w})} but no argument or attribute holds them"
+            )
+    if window_expr is not None:  # the source's own values (a window past the probe too)
+        windows = [_evaluate(window_expr, env) for env in envs]
+    chunk_expr = None
+    if any(c is not None for c in chunks):
+        chunk_expr = _expression_for(
+            per_layer_candidates(info, config, config_param, ("chunk",)), chunks, envs
+        )
+        if chunk_expr is None:
+            raise CodemodError(
+                f"cannot generate: {info.name} attends within chunks of "
+                f"{sorted({c for c in chunks if c})} tokens but no attribute or config "
+                "field holds them"
             )
 
     softcap_expr, softcaps = None, [None] * len(calls)
@@ -445,9 +499,17 @@ def infer(
         f"`{k}=` ignored" for k in sorted(unknown) if first.kwargs.get(k) is not None
     ]
 
+    for c, chunk, window, cap, sink in zip(calls, chunks, windows, softcaps, sinks):
+        if chunk and (window or cap or sink is not None):
+            raise CodemodError(
+                f"cannot generate: {c.path} attends within chunks and also has a window, "
+                "a soft-cap or sinks, which vLLM's ChunkedLocalAttention does not take"
+            )
     # proof: vLLM's semantics on the tensors each layer passed, against its result
-    for c, scale, window, cap, sink in zip(calls, scales, windows, softcaps, sinks):
-        ours = reference(c.query, c.key, c.value, scale, window, cap, sink)
+    for c, scale, window, cap, sink, chunk in zip(
+        calls, scales, windows, softcaps, sinks, chunks
+    ):
+        ours = reference(c.query, c.key, c.value, scale, window, cap, sink, chunk=chunk)
         theirs = c.output
         if theirs.dim() == 4:
             theirs = theirs[0].reshape(tokens, -1)
@@ -480,6 +542,7 @@ def infer(
         head_size_v=size_v_expr,
         scale=scale_expr,
         window=window_expr,
+        chunk=chunk_expr,
         softcap=softcap_expr,
         sinks=sinks_expr,
         attr=attr,
@@ -487,6 +550,32 @@ def infer(
         kv_head_attrs=kv_attrs,
         notes=notes,
     )
+
+
+def _window_argument(info, kw_exprs, windows, envs, tokens) -> str | None:
+    """The window argument the source hands its attention function (`sliding_window=
+    self.sliding_window`), where it holds a window on some layer and agrees with every
+    layer's mask: the same window where the mask shows one, a window of at least the
+    probe's length (or none) where the mask is plainly causal. The masks are what the
+    source computes through; an argument they contradict is not used."""
+    for key in WINDOW_KWARGS:
+        text = kw_exprs.get(key)
+        if text is None:
+            continue
+        values = [_evaluate(text, env) for env in envs]
+        if any(
+            v is _FAILED or not (v is None or (isinstance(v, int) and v > 0))
+            for v in values
+        ) or all(v is None for v in values):
+            continue
+        agrees = all(
+            (seen is not None and v == seen)
+            or (seen is None and (v is None or v >= tokens))
+            for v, seen in zip(values, windows)
+        )
+        if agrees:
+            return text
+    return None
 
 
 def head_count_attrs(info, inst, heads_expr, kv_expr, heads: int, kv: int):

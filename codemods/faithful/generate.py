@@ -32,7 +32,16 @@ from ..emit import moe as moe_emit
 from ..errors import CodemodError
 from ..source import ModelSource
 from ..structure import TORCH_NORMS, class_infos
-from . import compile_check, attention, definitions, eager_attention, probe, tp, weights
+from . import (
+    compile_check,
+    attention,
+    definitions,
+    eager_attention,
+    positions,
+    probe,
+    tp,
+    weights,
+)
 from . import rewrite as rewrite_module
 from .model import BaseRoles, CausalRoles, emit_base, emit_causal, mask_functions
 from .rewrite import (
@@ -162,11 +171,13 @@ def classes_order(classes, name) -> int:
     return list(classes).index(name)
 
 
-def _build_tiny(causal_cls):
+def _build_tiny(causal_cls, values: dict | None = None):
     import torch
 
     try:
-        config = causal_cls.config_class(**tiny.working_values(causal_cls))
+        if values is None:
+            values = tiny.working_values(causal_cls)
+        config = causal_cls.config_class(**values)
         config._attn_implementation = "eager"
         torch.manual_seed(0)
         model = causal_cls(config).float().eval()
@@ -209,16 +220,20 @@ def generate(
     trust_remote_code: bool = False,
     fuse: bool = True,
     why: str = "",
+    values: dict | None = None,
 ):
-    """(plan, unformatted body) of the faithful file for `source`."""
+    """(plan, unformatted body) of the faithful file for `source` (its tiny model built
+    from `values`, default `tiny.working_values`)."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
     # vLLM's layers (the fused forms the proofs run) read the current config when built
     with set_current_vllm_config(VllmConfig()):
-        return _generate(source, trust_remote_code, fuse, why)
+        return _generate(source, trust_remote_code, fuse, why, values)
 
 
-def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str):
+def _generate(
+    source: ModelSource, trust_remote_code: bool, fuse: bool, why: str, values
+):
     import torch.nn as nn
     from transformers import PreTrainedModel
 
@@ -237,7 +252,7 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
         and (probe.interface_call(info.forward) or eager_attention.find(info))
     ]
     with probe.init_locals(pymodule, candidates):
-        config, model = _build_tiny(causal_cls)
+        config, model = _build_tiny(causal_cls, values)
     # BART-style ...ForCausalLM classes switch the flag off on the config they are given:
     # the config class's own default says the decoder's layers hold cross attention
     if getattr(config, "is_encoder_decoder", False) or (
@@ -620,6 +635,12 @@ def _generate(source: ModelSource, trust_remote_code: bool, fuse: bool, why: str
             continue
         rebase = "VocabParallelEmbedding" if n in rebased else None
         pieces[n] = rewrite_class(info, ctx, base=rebase)
+        if (found := positions.still_used(info, pieces[n])) is not None:
+            raise CodemodError(
+                f"cannot generate: {n} counts positions from the cache's length "
+                f"(`{' '.join(found.split())}`), which vLLM hands no module: under vLLM "
+                "they would restart at 0 on every decode step"
+            )
         plan.unfused.append(
             _unfused_line(n, info, specs, classes, plan.refusals, layer_classes)
         )

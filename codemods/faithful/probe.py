@@ -21,7 +21,7 @@ import libcst.matchers as m
 
 from fusion_patterns.base import ClassInfo, code
 
-PROBE_TOKENS = 16  # longer than the tiny sliding window, so windows show in the masks
+PROBE_TOKENS = 40  # past the tiny windows (8) and the shrunk lengths (32), so both show in the masks
 PROBE_IMPL = "codemods_probe"
 
 

@@ -513,8 +513,28 @@ def _attention_init_lines(spec: AttentionSpec, sharded: bool) -> list[str]:
             slopes = f"{slopes}[{rank} * ({heads}) : ({rank} + 1) * ({heads})]"
         args.append(f"alibi_slopes={slopes}")
     args.append(f'prefix=f"{{prefix}}.{spec.attr}"')
-    lines.append(f"self.{spec.attr} = {ATTENTION_NAME[0]}({', '.join(args)})")
-    return lines
+    full = f"self.{spec.attr} = {ATTENTION_NAME[0]}({', '.join(args)})"
+    if not spec.chunk:
+        return lines + [full]
+    # layers attending within aligned chunks: vLLM's chunked local attention
+    chunked = [
+        heads,
+        spec.head_size,
+        spec.scale,
+        "attention_chunk_size=attention_chunk_size",
+        f"num_kv_heads={kv}",
+        "cache_config=cache_config",
+        "quant_config=quant_config",
+        *[a for a in args if a.startswith("alibi_slopes=")],
+        f'prefix=f"{{prefix}}.{spec.attr}"',
+    ]
+    return lines + [
+        f"attention_chunk_size = {spec.chunk}",
+        "if attention_chunk_size:",
+        f"    self.{spec.attr} = ChunkedLocalAttention({', '.join(chunked)})",
+        "else:",
+        f"    {full}",
+    ]
 
 
 class _InterfaceCall(cst.CSTTransformer):

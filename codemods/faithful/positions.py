@@ -1,0 +1,55 @@
+"""Positions a copied class derives from the cache instead of receiving them.
+
+transformers' modules may count positions from the cache they are handed
+(`past_seen_tokens = past_key_values.get_seq_length(...)`, then `torch.arange(n) +
+past_seen_tokens`: Llama 4's attention temperature). vLLM hands a module no such cache:
+the faithful copy folds the length to 0, so on every decode step those positions would
+restart at 0. A copy in which such a name is still used is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+import libcst.matchers as m
+
+from fusion_patterns.base import ClassInfo, code
+
+CACHE_LENGTH = m.Call(func=m.Attribute(attr=m.Name("get_seq_length")))
+
+
+def cache_length_names(info: ClassInfo) -> dict[str, str]:
+    """{name: its assignment} for the names a method of `info` sets from the cache's
+    length (outside __init__)."""
+    out = {}
+    for method in info.node.body.body:
+        if not isinstance(method, cst.FunctionDef) or method.name.value == "__init__":
+            continue
+        for assign in m.findall(method, m.Assign()):
+            if not m.findall(assign.value, CACHE_LENGTH):
+                continue
+            for target in assign.targets:
+                if isinstance(target.target, cst.Name):
+                    out[target.target.value] = (
+                        f"{target.target.value} = {code(assign.value)}"
+                    )
+    return out
+
+
+def still_used(info: ClassInfo, emitted: str) -> str | None:
+    """The source assignment behind a cache-length name the emitted class still reads,
+    or None."""
+    names = cache_length_names(info)
+    if not names:
+        return None
+    module = cst.parse_module(emitted)
+    stored = {
+        t.target.value
+        for a in m.findall(module, m.Assign())
+        for t in a.targets
+        if isinstance(t.target, cst.Name)
+    }
+    reads = [n.value for n in m.findall(module, m.Name()) if n.value in names]
+    for name in names:
+        if reads.count(name) > (1 if name in stored else 0):
+            return names[name]
+    return None
