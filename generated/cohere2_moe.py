@@ -8,6 +8,7 @@
 # architecture:  GeneratedCohere2MoeForCausalLM -> Cohere2MoeForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: gate_proj + up_proj (Cohere2MoeMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: q_proj + k_proj + v_proj (Cohere2MoeAttention) -> qkv_proj (QKVParallelLinear)
 #   Unfused: native layout (Cohere2MoeForCausalLM): Cohere2MoeDecoderLayer builds 0 sublayers besides attention, expected one MLP
 #   Unfused: module (Cohere2MoeRotaryEmbedding): copied from the source
@@ -15,7 +16,6 @@
 #   Unfused: module (Cohere2MoeRMSNorm): copied from the source
 #   Unfused: decoder layer (Cohere2MoeDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (Cohere2MoeSparseMoeBlock): copied from the source (the router scores neither with a softmax nor a sigmoid)
-#   Unfused: module (Cohere2MoeMLP): copied from the source
 #   Unfused: module (Cohere2MoeExperts): copied from the source
 #   Unfused: module (Cohere2MoeTopKRouter): copied from the source
 #   Unfused: attention (Cohere2MoeAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
@@ -37,10 +37,11 @@ from transformers.activations import ACT2FN
 
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
+from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
     QKVParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -124,7 +125,7 @@ class Cohere2MoeMLP(nn.Module):
         intermediate_size=None,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ):
+    ) -> None:
         super().__init__()
         self.config = config
         self.hidden_size = config.hidden_size
@@ -133,35 +134,27 @@ class Cohere2MoeMLP(nn.Module):
             if intermediate_size is not None
             else config.intermediate_size
         )
-        self.gate_proj = ReplicatedLinear(
+        # Fused: gate_proj + up_proj -> gate_up_proj (shard 0 is the activated side)
+        self.gate_up_proj = MergedColumnParallelLinear(
             self.hidden_size,
-            self.intermediate_size,
+            [self.intermediate_size, self.intermediate_size],
             bias=False,
             quant_config=quant_config,
-            prefix=f"{prefix}.gate_proj",
-            return_bias=False,
+            prefix=f"{prefix}.gate_up_proj",
         )
-        self.up_proj = ReplicatedLinear(
-            self.hidden_size,
-            self.intermediate_size,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.up_proj",
-            return_bias=False,
-        )
-        self.down_proj = ReplicatedLinear(
+        self.down_proj = RowParallelLinear(
             self.intermediate_size,
             self.hidden_size,
             bias=False,
             quant_config=quant_config,
             prefix=f"{prefix}.down_proj",
-            return_bias=False,
         )
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_fn = get_act_and_mul_fn(config.hidden_act)
 
-    def forward(self, x):
-        down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-        return down_proj
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up_proj, _ = self.gate_up_proj(x)
+        x, _ = self.down_proj(self.act_fn(gate_up_proj))
+        return x
 
 
 class Cohere2MoeExperts(nn.Module):
@@ -650,11 +643,16 @@ class Cohere2MoeModel(nn.Module):
 
 class Cohere2MoeForCausalLM(nn.Module, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    packed_modules_mapping = {
+        "gate_up_proj": ["gate_proj", "up_proj"],
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper(
         orig_to_new_stacked={
+            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
             ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
             ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
             ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),

@@ -8,28 +8,24 @@
 # architecture:  GeneratedHeliumForCausalLM -> HeliumForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Fused: gate_proj + up_proj (HeliumMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: q_proj + k_proj + v_proj (HeliumAttention) -> qkv_proj (QKVParallelLinear)
-#   Unfused: native layout (HeliumForCausalLM): cannot run a tiny HeliumForCausalLM from the source to prove the fusions: RuntimeError: mat1 and mat2 shapes cannot be multiplied (7x256 and 320x320)
-#   Unfused: module (HeliumRotaryEmbedding): copied from the source
-#   Unfused: module (HeliumRMSNorm): copied from the source (the weight is not applied as a multiply after the cast back)
-#   Unfused: decoder layer (HeliumDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Unfused: attention (HeliumAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Fused: gate_proj + up_proj (HeliumMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Refused: HeliumRMSNorm (HeliumRMSNorm): the weight is not applied as a multiply after the cast back
+#   Refused: residual add + norm (HeliumDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of HeliumForCausalLM, generated from transformers/models/helium/modeling_helium.py."""
 
 import math
 from collections.abc import Iterable
-from copy import copy as shallow_copy
+from copy import copy
 from itertools import islice
 
 import torch
 from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.config import CacheConfig, VllmConfig
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (
@@ -39,11 +35,16 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -55,24 +56,7 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from collections.abc import Callable
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_rope_utils import dynamic_rope_update
-
-
-def vllm_attention(
-    attn: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-) -> torch.Tensor:
-    """transformers' attention-interface layout around vLLM's paged attention:
-    [1, heads, tokens, head size] in, [1, tokens, heads, head size] out (vLLM takes and
-    returns [tokens, heads * head size])."""
-    tokens, size_v = query.shape[2], value.shape[-1]
-    if (
-        size_v < query.shape[-1]
-    ):  # a smaller value head: padded, as vLLM stores one size
-        value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
-    out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
-    return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
+# Copied from transformers/models/helium/modeling_helium.py: not proven equal to a vLLM norm (see the report)
 
 
 class HeliumRMSNorm(nn.Module):
@@ -90,58 +74,6 @@ class HeliumRMSNorm(nn.Module):
 
     def extra_repr(self):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
-
-
-class HeliumRotaryEmbedding(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-
-        self.config = config
-
-        self.rope_type = self.config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init_fn(self.config)
-
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
-
-    @staticmethod
-    def compute_default_rope_parameters(config, **kwargs) -> tuple[torch.Tensor, float]:
-        """
-        Computes the inverse frequencies according to the original RoPE implementation
-        Args:
-            config ([`~transformers.PreTrainedConfig`]):
-                The model configuration.
-        Returns:
-            Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
-            post-processing scaling factor applied to the computed cos/sin (unused in this type of RoPE).
-        """
-        base = config.rope_parameters["rope_theta"]
-        dim = (
-            getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads
-        )
-
-        attention_factor = 1.0  # Unused in this type of RoPE
-        # Compute the inverse frequencies
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq, attention_factor
-
-    @torch.no_grad()
-    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
-    def forward(self, x, position_ids):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(
-            device=x.device, dtype=torch.float
-        )
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 class HeliumMLP(nn.Module):
@@ -175,54 +107,15 @@ class HeliumMLP(nn.Module):
         return x
 
 
-def rotate_half(x):
-    """Rotates half the hidden dims of the input."""
-    x1 = x[..., 0::2]
-    x2 = x[..., 1::2]
-    return torch.stack((-x2, x1), dim=-1).flatten(-2)
-
-
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Applies Rotary Position Embedding to the query and key tensors.
-
-    Args:
-        q (`torch.Tensor`): The query tensor.
-        k (`torch.Tensor`): The key tensor.
-        cos (`torch.Tensor`): The cosine part of the rotary embedding.
-        sin (`torch.Tensor`): The sine part of the rotary embedding.
-        unsqueeze_dim (`int`, *optional*, defaults to 1):
-            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
-            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
-            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
-            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
-            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
-            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
-    Returns:
-        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
-    """
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-
-    # Interleave them instead of usual shape
-    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
-    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
-
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
-
-    return q_embed, k_embed
-
-
 class HeliumAttention(nn.Module):
-    """Multi-headed attention from 'Attention Is All You Need' paper"""
-
     def __init__(
         self,
         config,
-        layer_idx: int | None = None,
+        layer_idx=None,
+        cache_config: CacheConfig | None = None,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ):
+    ) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
@@ -235,29 +128,42 @@ class HeliumAttention(nn.Module):
         self.scaling = 1 / math.sqrt(self.head_dim)
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        # Fused: q_proj + k_proj + v_proj -> qkv_proj. Each rank holds its own heads
-        # of q, k and v; with fewer kv heads than ranks, k and v are replicated.
+        # Fused: q_proj + k_proj + v_proj -> qkv_proj. Each rank holds its own heads of q, k
+        # and v; with fewer kv heads than ranks, k and v are replicated.
+        tp_size = get_tensor_model_parallel_world_size()
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = config.num_key_value_heads
+        assert self.total_num_heads % tp_size == 0
+        if self.total_num_kv_heads >= tp_size:
+            assert self.total_num_kv_heads % tp_size == 0
+        else:
+            assert tp_size % self.total_num_kv_heads == 0
+        self.num_heads = self.total_num_heads // tp_size
+        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
+            self.total_num_heads,
+            self.total_num_kv_heads,
             bias=config.attention_bias,
             quant_config=quant_config,
             prefix=f"{prefix}.qkv_proj",
         )
-        self.q_size = self.qkv_proj.num_heads * self.head_dim
-        self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(
             config.hidden_size,
             config.hidden_size,
             bias=False,
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
-            return_bias=False,
         )
-        # vLLM's paged attention serves this module's attention-interface call
-        cache_config = get_current_vllm_config().cache_config
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            max_position=config.max_position_embeddings,
+            is_neox_style=False,
+            rope_parameters=config.rope_parameters,
+        )
         sliding_window = None
         if (
             sliding_window is None
@@ -265,13 +171,13 @@ class HeliumAttention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = shallow_copy(cache_config)
+            cache_config = copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
-            self.qkv_proj.num_heads,
+            self.num_heads,
             self.head_dim,
             self.scaling,
-            num_kv_heads=self.qkv_proj.num_kv_heads,
+            num_kv_heads=self.num_kv_heads,
             cache_config=cache_config,
             quant_config=quant_config,
             per_layer_sliding_window=sliding_window,
@@ -279,53 +185,35 @@ class HeliumAttention(nn.Module):
         )
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        q, k, v = self.qkv_proj(hidden_states)[0].split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
-        )
-
-        query_states = q.view(hidden_shape).transpose(1, 2)
-        key_states = k.view(hidden_shape).transpose(1, 2)
-        value_states = v.view(hidden_shape).transpose(1, 2)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(
-            query_states, key_states, cos, sin
-        )
-
-        attn_output = vllm_attention(self.attn, query_states, key_states, value_states)
-
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
-        return attn_output, None
+        self, positions: torch.Tensor, hidden_states: torch.Tensor
+    ) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        attn_output = self.attn(q, k, v)
+        output, _ = self.o_proj(attn_output)
+        return output
 
 
 class HeliumDecoderLayer(nn.Module):
+    # Residual adds not fused into the norms (see the report): the source's own layout.
     def __init__(
         self,
         config,
-        layer_idx: int | None = None,
+        cache_config: CacheConfig | None = None,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ):
+    ) -> None:
         super().__init__()
+        layer_idx = extract_layer_index(prefix)
         self.hidden_size = config.hidden_size
-
         self.self_attn = HeliumAttention(
             config=config,
             layer_idx=layer_idx,
+            cache_config=cache_config,
             quant_config=quant_config,
             prefix=f"{prefix}.self_attn",
         )
-
         self.mlp = HeliumMLP(config, quant_config=quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = HeliumRMSNorm(
             config.hidden_size, eps=config.rms_norm_eps
@@ -335,25 +223,12 @@ class HeliumDecoderLayer(nn.Module):
         )
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values=None,
-        use_cache: bool | None = False,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **kwargs,
+        self, positions: torch.Tensor, hidden_states: torch.Tensor
     ) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         # Self Attention
-        hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
+        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
         hidden_states = residual + hidden_states
 
         # Fully Connected
@@ -366,13 +241,23 @@ class HeliumDecoderLayer(nn.Module):
 
 @support_torch_compile
 class HeliumModel(nn.Module):
+    # checkpoint name -> (merged parameter, shard id), from the fusion records
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+        }
+    )
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
+        cache_config = vllm_config.cache_config
         quant_config = vllm_config.quant_config
         self.config = config
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
         if get_pp_group().is_first_rank or (
             config.tie_word_embeddings and get_pp_group().is_last_rank
         ):
@@ -388,7 +273,7 @@ class HeliumModel(nn.Module):
             config.num_hidden_layers,
             lambda prefix: HeliumDecoderLayer(
                 config,
-                extract_layer_index(prefix),
+                cache_config=cache_config,
                 quant_config=quant_config,
                 prefix=prefix,
             ),
@@ -398,7 +283,6 @@ class HeliumModel(nn.Module):
             self.norm = HeliumRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         else:
             self.norm = PPMissingLayer()
-        self.rotary_emb = HeliumRotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states"], config.hidden_size
         )
@@ -413,48 +297,37 @@ class HeliumModel(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        # vLLM runs every request's tokens as one sequence: a batch of one
-        input_ids = input_ids[None] if input_ids is not None else None
-        inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
-        position_ids = positions[None]
-        if not get_pp_group().is_first_rank:
-            assert intermediate_tensors is not None
-            hidden_states = intermediate_tensors["hidden_states"][None]
         if get_pp_group().is_first_rank:
-            if inputs_embeds is None:
-                inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
-            hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=None,
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-            )
+            if inputs_embeds is not None:
+                hidden_states = inputs_embeds
+            else:
+                hidden_states = self.embed_input_ids(input_ids)
+            pass
+        else:
+            assert intermediate_tensors is not None
+            hidden_states = intermediate_tensors["hidden_states"]
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
+            hidden_states = layer(positions, hidden_states)
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
+            return IntermediateTensors({"hidden_states": hidden_states})
         hidden_states = self.norm(hidden_states)
-        return (hidden_states)[0]
+        return hidden_states
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loader = AutoWeightsLoader(self)
+        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
 
 
-class HeliumForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class HeliumForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {
-        "gate_up_proj": ["gate_proj", "up_proj"],
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
     }
-    # checkpoint names transformers renames at load (its conversion mapping), and
-    # checkpoint name -> (merged parameter, shard id) from the fusion records
-    hf_to_vllm_mapper = WeightsMapper(
-        orig_to_new_stacked={
-            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
-            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
-            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
-            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
-            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
-        }
-    )
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -465,7 +338,6 @@ class HeliumForCausalLM(nn.Module, SupportsPP, SupportsQuant):
         self.model = HeliumModel(
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model")
         )
-        self.vocab_size = config.vocab_size
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(
                 config.vocab_size,
@@ -495,18 +367,8 @@ class HeliumForCausalLM(nn.Module, SupportsPP, SupportsQuant):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        hidden_states = hidden_states[None]
-        hidden_states = hidden_states
-        # Only compute necessary logits, and do not upcast them to float if we are not computing the loss
-        slice_indices = slice(-0, None)
-        vocab_logits = self.logits_processor(
-            self.lm_head, (hidden_states[:, slice_indices, :])[0]
-        )
-        if vocab_logits is None:  # not the rank that samples
-            return None
-        logits = vocab_logits[None]
-        return (logits)[0]
+        return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        return loader.load_weights(weights)

@@ -8,51 +8,50 @@
 # architecture:  GeneratedMellumForCausalLM -> MellumForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Fused: norm (MellumModel) -> norm (RMSNorm)
 #   Fused: input_layernorm (MellumDecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (MellumDecoderLayer) -> post_attention_layernorm (RMSNorm)
+#   Fused: norm (MellumModel) -> norm (RMSNorm)
+#   Fused: q_proj + k_proj + v_proj (MellumAttention) -> qkv_proj (QKVParallelLinear)
 #   Fused: q_norm (MellumAttention) -> q_norm (RMSNorm)
 #   Fused: k_norm (MellumAttention) -> k_norm (RMSNorm)
 #   Fused: gate + experts (MellumSparseMoeBlock) -> experts (FusedMoE, softmax top-`config.num_experts_per_tok` of `config.num_experts` experts, renormalised when `config.norm_topk_prob`)
-#   Fused: q_proj + k_proj + v_proj (MellumAttention) -> qkv_proj (QKVParallelLinear)
-#   Unfused: native layout (MellumForCausalLM): the tiny MellumForCausalLM builds no MellumMLP to prove it on
-#   Unfused: module (MellumRotaryEmbedding): copied from the source
-#   Unfused: decoder layer (MellumDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Unfused: module (MellumMLP): copied from the source
-#   Unfused: module (MellumTopKRouter): copied from the source
-#   Unfused: module (MellumExperts): copied from the source
-#   Unfused: attention (MellumAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
-#   Unfused: torch.compile (MellumModel): off: MellumExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
+#   Fused: gate_proj + up_proj (MellumMLP) -> gate_up_proj (MergedColumnParallelLinear)
+#   Fused: residual add + input_layernorm (MellumDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
+#   Fused: residual add + post_attention_layernorm (MellumDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 # ======================================================================================
 """Native vLLM implementation of MellumForCausalLM, generated from transformers/models/mellum/modeling_mellum.py."""
 
-import re
 from collections.abc import Iterable
-from copy import copy as shallow_copy
+from copy import copy
 from itertools import islice
 
 import torch
 from torch import nn
 
-from transformers.activations import ACT2FN
-
-from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import CacheConfig, VllmConfig
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
     QKVParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -63,323 +62,6 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
-
-from collections.abc import Callable
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_rope_utils import dynamic_rope_update
-import torch.nn.functional as F
-
-
-def vllm_attention(
-    attn: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-) -> torch.Tensor:
-    """transformers' attention-interface layout around vLLM's paged attention:
-    [1, heads, tokens, head size] in, [1, tokens, heads, head size] out (vLLM takes and
-    returns [tokens, heads * head size])."""
-    tokens, size_v = query.shape[2], value.shape[-1]
-    if (
-        size_v < query.shape[-1]
-    ):  # a smaller value head: padded, as vLLM stores one size
-        value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
-    out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
-    return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
-
-
-class MellumRotaryEmbedding(nn.Module):
-    def __init__(self, config, device=None):
-        super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-        self.config = config
-        self.layer_types = sorted(set(config.layer_types))
-        self.rope_type = {}
-        for layer_type in self.layer_types:
-            rope_params = self.config.rope_parameters[layer_type]
-            if rope_params is None:
-                continue
-
-            self.rope_type[layer_type] = rope_params["rope_type"]
-            rope_init_fn: Callable = self.compute_default_rope_parameters
-            if self.rope_type[layer_type] != "default":
-                rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type[layer_type]]
-            curr_inv_freq, curr_attention_scaling = rope_init_fn(
-                self.config, device, layer_type=layer_type
-            )
-            setattr(
-                self,
-                f"{layer_type}_inv_freq",
-                nn.Buffer(curr_inv_freq, persistent=False),
-            )
-            setattr(
-                self,
-                f"{layer_type}_original_inv_freq",
-                nn.Buffer(curr_inv_freq.clone(), persistent=False),
-            )
-            setattr(self, f"{layer_type}_attention_scaling", curr_attention_scaling)
-
-    @staticmethod
-    def compute_default_rope_parameters(
-        config, device=None, layer_type: str | None = None, **kwargs
-    ) -> tuple[torch.Tensor, float]:
-        """
-        Computes the inverse frequencies according to the original RoPE implementation
-        Args:
-            config ([`~transformers.PreTrainedConfig`]):
-                The model configuration.
-            layer_type (`str`, *optional*):
-                The current layer type if the model has different RoPE parameters per type.
-                Should not be used unless `config.layer_types is not None`
-        Returns:
-            Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
-            post-processing scaling factor applied to the computed cos/sin (unused in this type of RoPE).
-        """
-        base = config.rope_parameters[layer_type]["rope_theta"]
-        # key difference to gemma3: partial rope
-        partial_rotary_factor = config.rope_parameters[layer_type].get(
-            "partial_rotary_factor", 1.0
-        )
-        head_dim = (
-            getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads
-        )
-        dim = int(head_dim * partial_rotary_factor)
-
-        attention_factor = 1.0  # Unused in this type of RoPE
-
-        # Compute the inverse frequencies
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq.to(device), attention_factor
-
-    @torch.no_grad()
-    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
-    def forward(self, x, position_ids, layer_type):
-        inv_freq = getattr(self, f"{layer_type}_inv_freq")
-        attention_scaling = getattr(self, f"{layer_type}_attention_scaling")
-
-        freqs = position_ids[..., None].float() * inv_freq.to(
-            device=x.device, dtype=torch.float
-        )
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * attention_scaling
-        sin = emb.sin() * attention_scaling
-
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
-
-
-def rotate_half(x):
-    """Rotates half the hidden dims of the input."""
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Applies Rotary Position Embedding to the query and key tensors.
-
-    Args:
-        q (`torch.Tensor`): The query tensor.
-        k (`torch.Tensor`): The key tensor.
-        cos (`torch.Tensor`): The cosine part of the rotary embedding.
-        sin (`torch.Tensor`): The sine part of the rotary embedding.
-        unsqueeze_dim (`int`, *optional*, defaults to 1):
-            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
-            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
-            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
-            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
-            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
-            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
-    Returns:
-        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
-    """
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
-    return q_embed, k_embed
-
-
-class MellumAttention(nn.Module):
-    """Multi-headed attention from 'Attention Is All You Need' paper"""
-
-    def __init__(
-        self,
-        config,
-        layer_idx: int,
-        quant_config: QuantizationConfig | None = None,
-        prefix: str = "",
-    ):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.head_dim = getattr(
-            config, "head_dim", config.hidden_size // config.num_attention_heads
-        )
-        self.num_key_value_groups = (
-            config.num_attention_heads // config.num_key_value_heads
-        )
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
-        self.is_causal = True
-        # Fused: q_proj + k_proj + v_proj -> qkv_proj. Each rank holds its own heads
-        # of q, k and v; with fewer kv heads than ranks, k and v are replicated.
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=config.attention_bias,
-            quant_config=quant_config,
-            prefix=f"{prefix}.qkv_proj",
-        )
-        self.q_size = self.qkv_proj.num_heads * self.head_dim
-        self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim,
-            config.hidden_size,
-            bias=config.attention_bias,
-            quant_config=quant_config,
-            prefix=f"{prefix}.o_proj",
-            return_bias=False,
-        )
-        self.q_norm = RMSNorm(
-            self.head_dim, eps=config.rms_norm_eps
-        )  # unlike olmo, only on the head dim!
-        self.k_norm = RMSNorm(
-            self.head_dim, eps=config.rms_norm_eps
-        )  # thus post q_norm does not need reshape
-        self.sliding_window = (
-            config.sliding_window
-            if config.layer_types[layer_idx] == "sliding_attention"
-            else None
-        )
-        # vLLM's paged attention serves this module's attention-interface call
-        cache_config = get_current_vllm_config().cache_config
-        sliding_window = self.sliding_window
-        if (
-            sliding_window is None
-            and cache_config is not None
-            and cache_config.sliding_window
-        ):
-            # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = shallow_copy(cache_config)
-            cache_config.sliding_window = None
-        self.attn = Attention(
-            self.qkv_proj.num_heads,
-            self.head_dim,
-            self.scaling,
-            num_kv_heads=self.qkv_proj.num_kv_heads,
-            cache_config=cache_config,
-            quant_config=quant_config,
-            per_layer_sliding_window=sliding_window,
-            prefix=f"{prefix}.attn",
-        )
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        past_key_values=None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        q, k, v = self.qkv_proj(hidden_states)[0].split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
-        )
-
-        query_states = self.q_norm(q.view(hidden_shape)).transpose(1, 2)
-        key_states = self.k_norm(k.view(hidden_shape)).transpose(1, 2)
-        value_states = v.view(hidden_shape).transpose(1, 2)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(
-            query_states, key_states, cos, sin
-        )
-
-        attn_output = vllm_attention(self.attn, query_states, key_states, value_states)
-
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
-        return attn_output, None
-
-
-class MellumExperts(nn.Module):
-    """Collection of expert weights stored as 3D tensors."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.num_experts = config.num_experts
-        self.hidden_dim = config.hidden_size
-        self.intermediate_dim = config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim)
-        )
-        self.down_proj = nn.Parameter(
-            torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim)
-        )
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-    ) -> torch.Tensor:
-        final_hidden_states = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            expert_mask = torch.nn.functional.one_hot(
-                top_k_index, num_classes=self.num_experts + 1
-            )
-            expert_mask = expert_mask.permute(2, 1, 0)
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-
-        for expert_idx in expert_hit:
-            expert_idx = expert_idx[0]
-            if expert_idx == self.num_experts:
-                continue
-            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-            current_state = hidden_states[token_idx]
-            gate, up = nn.functional.linear(
-                current_state, self.gate_up_proj[expert_idx]
-            ).chunk(2, dim=-1)
-            current_hidden_states = self.act_fn(gate) * up
-            current_hidden_states = nn.functional.linear(
-                current_hidden_states, self.down_proj[expert_idx]
-            )
-            current_hidden_states = (
-                current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
-            )
-            final_hidden_states.index_add_(
-                0, token_idx, current_hidden_states.to(final_hidden_states.dtype)
-            )
-
-        return final_hidden_states
-
-
-class MellumTopKRouter(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.num_experts = config.num_experts
-        self.norm_topk_prob = config.norm_topk_prob
-        self.hidden_dim = config.hidden_size
-        self.weight = nn.Parameter(torch.zeros(self.num_experts, self.hidden_dim))
-
-    def forward(self, hidden_states):
-        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        router_logits = F.linear(hidden_states, self.weight)  # (seq_len, num_experts)
-        router_probs = torch.nn.functional.softmax(
-            router_logits, dtype=torch.float, dim=-1
-        )
-        router_top_value, router_indices = torch.topk(
-            router_probs, self.top_k, dim=-1
-        )  # (seq_len, top_k)
-        if self.norm_topk_prob:
-            router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
-        router_top_value = router_top_value.to(router_logits.dtype)
-        router_scores = router_top_value
-        return router_logits, router_scores, router_indices
 
 
 class MellumSparseMoeBlock(nn.Module):
@@ -421,56 +103,151 @@ class MellumMLP(nn.Module):
         intermediate_size=None,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ):
+    ) -> None:
         super().__init__()
         self.config = config
         self.hidden_size = config.hidden_size
         self.intermediate_size = (
             config.intermediate_size if intermediate_size is None else intermediate_size
         )
-        self.gate_proj = ReplicatedLinear(
+        # Fused: gate_proj + up_proj -> gate_up_proj (shard 0 is the activated side)
+        self.gate_up_proj = MergedColumnParallelLinear(
             self.hidden_size,
-            self.intermediate_size,
+            [self.intermediate_size, self.intermediate_size],
             bias=False,
             quant_config=quant_config,
-            prefix=f"{prefix}.gate_proj",
-            return_bias=False,
+            prefix=f"{prefix}.gate_up_proj",
         )
-        self.up_proj = ReplicatedLinear(
-            self.hidden_size,
-            self.intermediate_size,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.up_proj",
-            return_bias=False,
-        )
-        self.down_proj = ReplicatedLinear(
+        self.down_proj = RowParallelLinear(
             self.intermediate_size,
             self.hidden_size,
             bias=False,
             quant_config=quant_config,
             prefix=f"{prefix}.down_proj",
-            return_bias=False,
         )
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_fn = get_act_and_mul_fn(config.hidden_act)
 
-    def forward(self, x):
-        down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-        return down_proj
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up_proj, _ = self.gate_up_proj(x)
+        x, _ = self.down_proj(self.act_fn(gate_up_proj))
+        return x
+
+
+class MellumAttention(nn.Module):
+    def __init__(
+        self,
+        config,
+        layer_idx,
+        cache_config: CacheConfig | None = None,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(
+            config, "head_dim", config.hidden_size // config.num_attention_heads
+        )
+        self.num_key_value_groups = (
+            config.num_attention_heads // config.num_key_value_heads
+        )
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        # Fused: q_proj + k_proj + v_proj -> qkv_proj. Each rank holds its own heads of q, k
+        # and v; with fewer kv heads than ranks, k and v are replicated.
+        tp_size = get_tensor_model_parallel_world_size()
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = config.num_key_value_heads
+        assert self.total_num_heads % tp_size == 0
+        if self.total_num_kv_heads >= tp_size:
+            assert self.total_num_kv_heads % tp_size == 0
+        else:
+            assert tp_size % self.total_num_kv_heads == 0
+        self.num_heads = self.total_num_heads // tp_size
+        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            self.total_num_heads,
+            self.total_num_kv_heads,
+            bias=config.attention_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=config.attention_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.sliding_window = (
+            config.sliding_window
+            if config.layer_types[layer_idx] == "sliding_attention"
+            else None
+        )
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            max_position=config.max_position_embeddings,
+            is_neox_style=True,
+            rope_parameters=config.rope_parameters[config.layer_types[layer_idx]],
+        )
+        sliding_window = self.sliding_window
+        if (
+            sliding_window is None
+            and cache_config is not None
+            and cache_config.sliding_window
+        ):
+            # the source attends fully here: keep vLLM from applying the model-level window
+            cache_config = copy(cache_config)
+            cache_config.sliding_window = None
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.scaling,
+            num_kv_heads=self.num_kv_heads,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            per_layer_sliding_window=sliding_window,
+            prefix=f"{prefix}.attn",
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor
+    ) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # q/k norms per head, as the source applies them
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim)).view(q.shape)
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        attn_output = self.attn(q, k, v)
+        output, _ = self.o_proj(attn_output)
+        return output
 
 
 class MellumDecoderLayer(nn.Module):
     def __init__(
         self,
         config,
-        layer_idx: int,
+        cache_config: CacheConfig | None = None,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ):
+    ) -> None:
         super().__init__()
+        layer_idx = extract_layer_index(prefix)
         self.hidden_size = config.hidden_size
         self.self_attn = MellumAttention(
-            config, layer_idx, quant_config=quant_config, prefix=f"{prefix}.self_attn"
+            config,
+            layer_idx,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            prefix=f"{prefix}.self_attn",
         )
         if config.mlp_layer_types[layer_idx] == "sparse":
             self.mlp = MellumSparseMoeBlock(
@@ -490,42 +267,41 @@ class MellumDecoderLayer(nn.Module):
 
     def forward(
         self,
+        positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values=None,
-        use_cache: bool | None = False,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **kwargs,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        # Self Attention
-        hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-        hidden_states = residual + hidden_states
-
-        # Fully Connected
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            # the previous layer's residual add, fused into this norm
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
+        return hidden_states, residual
 
 
+@support_torch_compile
 class MellumModel(nn.Module):
+    # checkpoint name -> (merged parameter, shard id), from the fusion records
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+        }
+    )
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
+        cache_config = vllm_config.cache_config
         quant_config = vllm_config.quant_config
         self.config = config
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
         if get_pp_group().is_first_rank or (
             config.tie_word_embeddings and get_pp_group().is_last_rank
         ):
@@ -541,7 +317,7 @@ class MellumModel(nn.Module):
             config.num_hidden_layers,
             lambda prefix: MellumDecoderLayer(
                 config,
-                extract_layer_index(prefix),
+                cache_config=cache_config,
                 quant_config=quant_config,
                 prefix=prefix,
             ),
@@ -551,9 +327,8 @@ class MellumModel(nn.Module):
             self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         else:
             self.norm = PPMissingLayer()
-        self.rotary_emb = MellumRotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "residual"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -566,58 +341,41 @@ class MellumModel(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        # vLLM runs every request's tokens as one sequence: a batch of one
-        input_ids = input_ids[None] if input_ids is not None else None
-        inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
-        position_ids = positions[None]
-        if not get_pp_group().is_first_rank:
+        if get_pp_group().is_first_rank:
+            if inputs_embeds is not None:
+                hidden_states = inputs_embeds
+            else:
+                hidden_states = self.embed_input_ids(input_ids)
+            residual = None
+        else:
             assert intermediate_tensors is not None
-            hidden_states = intermediate_tensors["hidden_states"][None]
-        if get_pp_group().is_first_rank:
-            if inputs_embeds is None:
-                inputs_embeds = self.embed_tokens(input_ids)
-        mask_creation_functions = {
-            "full_attention": lambda: None,
-            "sliding_attention": lambda: None,
-        }
-        causal_mask_mapping = {}
-        for layer_type in set(self.config.layer_types):
-            causal_mask_mapping[layer_type] = mask_creation_functions[layer_type]()
-        if get_pp_group().is_first_rank:
-            hidden_states = inputs_embeds
-        position_embeddings = {}
-        for layer_type in set(self.config.layer_types):
-            position_embeddings[layer_type] = self.rotary_emb(
-                hidden_states, position_ids, layer_type
-            )
-        for i, decoder_layer in enumerate(
-            islice(self.layers, self.start_layer, self.end_layer),
-            start=self.start_layer,
-        ):
-            hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
-                position_embeddings=position_embeddings[self.config.layer_types[i]],
-                position_ids=position_ids,
-            )
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
+            hidden_states, residual = layer(positions, hidden_states, residual)
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
-        hidden_states = self.norm(hidden_states)
-        return (hidden_states)[0]
+            return IntermediateTensors(
+                {"hidden_states": hidden_states, "residual": residual}
+            )
+        # the last layer's residual add, fused into the final norm
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loader = AutoWeightsLoader(self)
+        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
 
 
-class MellumForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class MellumForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-    # checkpoint names transformers renames at load (its conversion mapping), and
-    # checkpoint name -> (merged parameter, shard id) from the fusion records
-    hf_to_vllm_mapper = WeightsMapper(
-        orig_to_new_stacked={
-            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
-            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
-            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
-        }
-    )
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -628,7 +386,6 @@ class MellumForCausalLM(nn.Module, SupportsPP, SupportsQuant):
         self.model = MellumModel(
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model")
         )
-        self.vocab_size = config.vocab_size
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(
                 config.vocab_size,
@@ -640,9 +397,6 @@ class MellumForCausalLM(nn.Module, SupportsPP, SupportsQuant):
                 self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         else:
             self.lm_head = PPMissingLayer()
-        self.router_aux_loss_coef = config.router_aux_loss_coef
-        self.num_experts = config.num_experts
-        self.num_experts_per_tok = config.num_experts_per_tok
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = (
             self.model.make_empty_intermediate_tensors
@@ -661,76 +415,8 @@ class MellumForCausalLM(nn.Module, SupportsPP, SupportsQuant):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        hidden_states = hidden_states[None]
-        hidden_states = hidden_states
-        # Only compute necessary logits, and do not upcast them to float if we are not computing the loss
-        slice_indices = slice(-0, None)
-        vocab_logits = self.logits_processor(
-            self.lm_head, (hidden_states[:, slice_indices, :])[0]
-        )
-        if vocab_logits is None:  # not the rank that samples
-            return None
-        logits = vocab_logits[None]
-        return (logits)[0]
+        return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        stacked: set[str] = set()
-        weights = self._stacked_experts(self.hf_to_vllm_mapper.apply(weights), stacked)
-        return loader.load_weights(weights) | stacked
-
-    # per-expert checkpoint tensors -> the stacked expert parameters the source holds
-    # (transformers' conversion mapping: experts merged along dim 0, projections
-    # concatenated within each expert)
-    expert_stacking = (
-        (
-            re.compile(r"^(.*?)mlp\.experts\.(\d+)\.gate_proj\.weight$"),
-            "mlp.experts.gate_up_proj",
-            0,
-            2,
-        ),
-        (
-            re.compile(r"^(.*?)mlp\.experts\.(\d+)\.up_proj\.weight$"),
-            "mlp.experts.gate_up_proj",
-            1,
-            2,
-        ),
-        (
-            re.compile(r"^(.*?)mlp\.experts\.(\d+)\.down_proj\.weight$"),
-            "mlp.experts.down_proj",
-            0,
-            1,
-        ),
-    )
-
-    def _stacked_experts(self, weights, loaded: set[str]):
-        params = dict(self.named_parameters())
-        for name, tensor in weights:
-            for pattern, target, shard, shards in self.expert_stacking:
-                found = pattern.match(name)
-                if found is None:
-                    continue
-                param_name = found.group(1) + target
-                param = params.get(param_name)
-                if param is None:
-                    # a layer of another pipeline stage, or experts fused into vLLM's
-                    # MoE layer, whose own loader reads per-expert tensors
-                    if not self._on_another_stage(param_name):
-                        yield name, tensor
-                    break
-                expert = int(found.group(2))
-                param.data[expert].chunk(shards, dim=0)[shard].copy_(tensor)
-                loaded.add(param_name)
-                break
-            else:
-                yield name, tensor
-
-    def _on_another_stage(self, name: str) -> bool:
-        parts = name.split(".")
-        for i in range(len(parts), 0, -1):
-            try:
-                module = self.get_submodule(".".join(parts[:i]))
-            except AttributeError:
-                continue
-            return isinstance(module, PPMissingLayer)
-        return False
+        return loader.load_weights(weights)

@@ -13,7 +13,7 @@
 #   Unfused: module (ModernBertDecoderRotaryEmbedding): copied from the source
 #   Unfused: decoder layer (ModernBertDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (ModernBertDecoderMLP): copied from the source
-#   Unfused: attention (ModernBertDecoderAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Unfused: attention (ModernBertDecoderAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
 #   Unfused: module (ModernBertDecoderEmbeddings): copied from the source
 #   Refused: q/k/v projections (ModernBertDecoderAttention): output size `self.all_head_size` is not `<heads> * self.<head_dim>`
 # ======================================================================================
@@ -322,7 +322,7 @@ class ModernBertDecoderAttention(nn.Module):
         )
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
-        sliding_window = None
+        sliding_window = self.sliding_window
         if (
             sliding_window is None
             and cache_config is not None
