@@ -52,7 +52,22 @@ def causal_lm_files() -> dict[str, list[str]]:
                 break
         if found:
             out.setdefault(found, []).append(model_type)
-    return out
+    # every committed model is a row too, registered as a causal LM or not (Mistral 4's
+    # text model is served from its multimodal config: no auto-mapping entry)
+    for model_type, entry in committed_sources().items():
+        if entry not in out:
+            out[entry] = [model_type]
+    return dict(sorted(out.items()))
+
+
+def committed_sources() -> dict[str, str]:
+    """{model type: modeling file name} of each file under generated/ (its manifest)."""
+    manifest = json.loads((REPO / "generated" / "manifest.json").read_text())
+    return {
+        model: Path(entry["source"]).name
+        for model, entry in manifest.items()
+        if "source" in entry
+    }
 
 
 def run_one(name: str, backend: bool) -> dict:

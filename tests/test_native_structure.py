@@ -29,6 +29,10 @@ KNOWN_DIFFERENCES = {
         ("self_attn.o_proj.bias",),
         "as qwen3: vLLM's qwen3_moe.py drops the o_proj bias attention_bias gives",
     ),
+    "cohere": (
+        ("self_attn.qkv_proj.bias", "self_attn.o_proj.bias"),
+        "transformers' Cohere honours attention_bias; vLLM's commandr.py builds q/k/v/o without bias",
+    ),
     "deepseek_v3": (
         ("self_attn.fused_qkv_a_proj.bias", "self_attn.o_proj.bias"),
         "transformers' DeepSeek-V3 honours attention_bias on q_a/kv_a/o; vLLM's deepseek_v2.py builds them without bias",

@@ -35,6 +35,11 @@ PHI3_LAYER0 = {
 # level away, which later layers carry: 4e-2 is measured on the whole model. Each fused
 # layer on one shared input is exact to fp32 rounding.
 W8A8_LOGPROB_TOLERANCE = 0.1
+# In a MoE model the router picks experts by rank: one int8 level moves a token's top-k
+# where two experts' scores nearly tie, a jump no tolerance on smooth error covers
+# (0.18 measured on a CPU without AMX, 9e-3 on one with it). The layers above still
+# must be exact.
+MOE_W8A8_LOGPROB_TOLERANCE = 0.5
 LAYER_TOLERANCE = 1e-5
 LORA_TOLERANCE = 1e-4
 
@@ -92,7 +97,9 @@ def cases(tmp_path_factory):
     return out
 
 
-def assert_w8a8_matches(row, layers: dict[str, str], module: str):
+def assert_w8a8_matches(
+    row, layers: dict[str, str], module: str, tolerance=W8A8_LOGPROB_TOLERANCE
+):
     assert row["ok"], row.get("error")
     assert row["impl"] == f"generated.{module}", row["impl"]
     for name, wrapper in layers.items():
@@ -104,7 +111,7 @@ def assert_w8a8_matches(row, layers: dict[str, str], module: str):
     for name, error in row["layer_rel_error"].items():
         assert error <= LAYER_TOLERANCE, (name, error)
     assert row["tokens_equal"]
-    assert row["max_abs_logprob_diff"] <= W8A8_LOGPROB_TOLERANCE
+    assert row["max_abs_logprob_diff"] <= tolerance
 
 
 def test_a_w8a8_checkpoint_with_per_projection_targets_reaches_the_fused_layers(cases):
@@ -140,14 +147,20 @@ def test_a_moe_model_runs_quantized_attention_and_vllm_says_why_not_int8_experts
         cases["w8a8-moe-attention"],
         {"self_attn.qkv_proj": "QKVParallelLinear"},
         "qwen3_moe:Qwen3MoeForCausalLM",
+        MOE_W8A8_LOGPROB_TOLERANCE,
     )
-    # vLLM's CPU build has no int8 fused-MoE kernel for x86 (its CPU int8 experts run
-    # on ARM, POWER and with ZenDNN); its own message, from its own MoE layer
+    # vLLM's CPU build has no int8 fused-MoE kernel for x86 without AMX (its CPU int8
+    # experts run on ARM, POWER and with ZenDNN), and with AMX one for bf16 only; its
+    # own message, from its own MoE layer
     experts = cases["w8a8-moe-experts"]
     assert not experts["ok"]
-    assert (
-        "No Int8 MoE backend supports the deployment configuration" in experts["error"]
-    )
+    assert any(
+        message in experts["error"]
+        for message in (
+            "No Int8 MoE backend supports the deployment configuration",
+            "\"fused_experts_kernel_impl\" not implemented for 'Float'",
+        )
+    ), experts["error"]
 
 
 def test_quantizing_q_but_not_k_is_vllms_clear_error(cases):

@@ -28,6 +28,20 @@ from codemods.verify import MAX_TOKENS, compare, prompts_for  # noqa: E402
 LAYER0 = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+def onednn_int8_on_every_cpu() -> None:
+    """The int8 linears take oneDNN's path on every CPU. On one with AMX tiles vLLM 0.32
+    picks its SGL kernel from the weight's dtype (int8), but that kernel takes bf16 or
+    fp16 activations only, and these cases run in fp32: every W8A8 engine then fails
+    (`int8_scaled_mm_with_quant: expect A to be bfloat16 or half`), vLLM's bug, not the
+    generated file's. oneDNN is the path a CPU without AMX takes anyway."""
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu
+
+    sgl = cpu.check_cpu_sgl_kernel
+    cpu.check_cpu_sgl_kernel = lambda n, k, dtype: dtype != torch.int8 and sgl(
+        n, k, dtype
+    )
+
+
 def build(arch: str, out: Path):
     """(transformers model loaded back from `out`, prompts) for a tiny `arch`."""
     causal = getattr(transformers, arch)
@@ -163,6 +177,7 @@ CASES = {"quantized": quantized, "lora": lora}
 def main(spec_path: str) -> None:
     from vllm.distributed import cleanup_dist_env_and_memory
 
+    onednn_int8_on_every_cpu()
     for spec in json.loads(Path(spec_path).read_text()):
         start = time.time()
         with tempfile.TemporaryDirectory(prefix=f"case-{spec['name']}-") as tmp:
