@@ -24,6 +24,9 @@ def model_class_name(model) -> str:
 
 def set_cpu_env(tp: int, pp: int) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # fp32 on every CPU: with AMX tiles vLLM 0.32 runs some fp32 layers through kernels
+    # that take bf16/fp16 weights only (generated.NO_AMX); CODEMODS_NO_AMX=0 keeps them
+    os.environ.setdefault("CODEMODS_NO_AMX", "1")
     if tp * pp == 1:
         # engine and worker in this process: fast start, several engines per process
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

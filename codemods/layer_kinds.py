@@ -320,6 +320,21 @@ def _inside_attention(sites: list[branches.Site], classes) -> bool:
     )
 
 
+def refuse_encoder_decoder(causal_cls, config=None) -> None:
+    """Out of scope: an encoder-decoder model or its decoder. BART-style ...ForCausalLM
+    classes switch the flag off on the config they are given: the config class's own
+    default says the decoder's layers hold cross attention."""
+    from .errors import CodemodError
+
+    if getattr(config, "is_encoder_decoder", False) or (
+        getattr(causal_cls.config_class, "is_encoder_decoder", False) is True
+    ):
+        raise CodemodError(
+            f"out of scope: {causal_cls.__name__} is an encoder-decoder model or its "
+            "decoder (cross attention; vLLM's Transformers backend serves decoders only)"
+        )
+
+
 def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -> None:
     """Raise for a kind the toolkit cannot serve or cannot verify: a layer that keeps
     state across decode steps besides the KV cache (out of scope), a kind no tiny
@@ -331,6 +346,9 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
 
     from .errors import CodemodError
 
+    # before any kind: out of scope whatever it builds (MVP's prompt modules need its
+    # encoder's config, so no tiny config builds them)
+    refuse_encoder_decoder(causal_cls)
     pymodule = sys.modules[causal_cls.__module__]
     for kind in found.kinds:
         obj = getattr(pymodule, kind, None)

@@ -15,6 +15,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# every CPU runs vLLM's non-AMX kernels (see generated.NO_AMX): the engines the tests
+# start inherit it, so CI's machine and this one take the same path
+os.environ.setdefault("CODEMODS_NO_AMX", "1")
 
 
 def run_cli(

@@ -25,7 +25,7 @@ from fusion_patterns.base import (
     linear_args,
 )
 
-from .. import loading, tiny
+from .. import layer_kinds, loading, tiny
 from ..emit import imports_for
 from ..emit import mlp as mlp_emit
 from ..emit import moe as moe_emit
@@ -253,15 +253,7 @@ def _generate(
     ]
     with probe.init_locals(pymodule, candidates):
         config, model = _build_tiny(causal_cls, values)
-    # BART-style ...ForCausalLM classes switch the flag off on the config they are given:
-    # the config class's own default says the decoder's layers hold cross attention
-    if getattr(config, "is_encoder_decoder", False) or (
-        getattr(causal_cls.config_class, "is_encoder_decoder", False) is True
-    ):
-        raise CodemodError(
-            f"out of scope: {causal_cls.__name__} is an encoder-decoder model or its "
-            "decoder (cross attention; vLLM's Transformers backend serves decoders only)"
-        )
+    layer_kinds.refuse_encoder_decoder(causal_cls, config)
 
     # roles, from the instance: the module holding the layer list is the base model
     # (vLLM's interface, pipeline stages); PreTrainedModels between it and the causal LM
