@@ -12,69 +12,15 @@ import os
 import sys
 from pathlib import Path
 
-from . import layer_kinds, manifest
-from .emit import emit_body
+from . import manifest
+from .claims import pattern_names
 from .errors import CodemodError
-from . import faithful
-from .faithful import FaithfulPlan
 from .files import DEFAULT_OUT, unified_diff, write_atomic
-from .plan import ModelPlan, plan
-from .render import render
-from .source import load
-from .structure import analyse, class_infos
 from .logs import quiet_vllm_logging
-from .validate import validate
+from .pipeline import generate
+from .plan import Plan
 
-
-def generate(
-    name: str, trust_remote_code: bool = False, layout: str = "auto"
-) -> tuple[ModelPlan | FaithfulPlan, str]:
-    """The plan and the full text of the generated file for one modeling file:
-    source -> match -> validate -> plan -> emit -> render.
-
-    The native layout (every part fused into vLLM's own layout) is tried first; where
-    it cannot be proven, the faithful layout emits every class from its source and
-    fuses the parts the patterns prove (layout="faithful" forces it)."""
-    source = load(name)
-    # every kind of layer the source can build, in the tiny configs that build them
-    causal_cls, kinds = layer_kinds.for_source(source, trust_remote_code)
-    values = None
-    if kinds is not None:
-        layer_kinds.refuse_unservable(causal_cls, kinds, class_infos(source.module))
-        values = kinds.primary
-    why = "requested with --faithful"
-    if layout != "faithful":
-        try:
-            structure = analyse(source)
-            same = (
-                causal_cls is not None and structure.causal.name == causal_cls.__name__
-            )
-            validate(structure, trust_remote_code, values if same else None)
-            model_plan = plan(structure)
-            return model_plan, render(model_plan, emit_body(model_plan))
-        except CodemodError as exc:
-            if exc.final:
-                raise
-            why = str(exc).removeprefix("cannot generate: ")
-        except Exception as exc:  # a bug in the native tier must not cost the model
-            why = f"native analysis failed: {type(exc).__name__}: {exc}".splitlines()[0]
-        if layout == "native":
-            raise CodemodError(f"cannot generate the native layout: {why}")
-    try:
-        model_plan, body = faithful.generate(
-            source, trust_remote_code, why=why, values=values
-        )
-    except CodemodError as exc:
-        message = str(exc)
-        if (
-            layout == "faithful"
-            or message.startswith("out of scope")
-            or why.startswith("cannot build a tiny")  # the same failure, said once
-        ):
-            raise
-        # both tiers' reasons, on one line: the faithful one is why nothing was written
-        raise CodemodError(f"{message} (and the native layout: {why})") from None
-    return model_plan, render(model_plan, body)
+__all__ = ["generate", "main", "output_path"]
 
 
 def internal_error(exc: BaseException) -> str:
@@ -97,7 +43,7 @@ def internal_error(exc: BaseException) -> str:
     )
 
 
-def output_path(model_plan: ModelPlan, out_dir: Path) -> Path:
+def output_path(model_plan: Plan, out_dir: Path) -> Path:
     return out_dir / f"{model_plan.source.model_type}.py"
 
 
@@ -136,18 +82,20 @@ def main(argv: list[str] | None = None) -> int:
         help="allow running a modeling file that is not part of the installed transformers (the proofs run it)",
     )
     parser.add_argument(
-        "--faithful",
-        action="store_true",
-        help="emit every class from its source (no native layout); fusions still apply per part",
+        "--disable",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        choices=pattern_names(),
+        help="do not run this fusion pattern (the parts it would claim are copied from "
+        "the source); repeatable. Patterns: " + ", ".join(pattern_names()),
     )
     args = parser.parse_args(argv)
     quiet_vllm_logging()
 
     try:
         model_plan, text = generate(
-            args.source,
-            args.trust_remote_code,
-            layout="faithful" if args.faithful else "auto",
+            args.source, args.trust_remote_code, frozenset(args.disable)
         )
     except CodemodError as exc:
         print(f"error: {exc}", file=sys.stderr)

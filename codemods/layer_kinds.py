@@ -293,13 +293,12 @@ def for_source(source, trust_remote_code: bool = False):
     no text causal LM or its tiny model does not run (the tiers say why)."""
     from . import loading, tiny
     from .errors import CodemodError
-    from .faithful.generate import pick_causal
-    from .structure import class_infos
+    from .roles import causal_class
 
     pymodule = loading.load_module(source, trust_remote_code)
-    classes = class_infos(source.module)
+    classes = source.classes
     try:
-        causal_cls = pick_causal(pymodule, classes, source)
+        causal_cls = causal_class(pymodule, classes, source)
         values = tiny.working_values(causal_cls)
     except (
         CodemodError,
@@ -311,7 +310,7 @@ def for_source(source, trust_remote_code: bool = False):
 
 def _inside_attention(sites: list[branches.Site], classes) -> bool:
     """Every class building it calls transformers' attention interface (an indexer)."""
-    from .faithful.probe import interface_call
+    from .probe import interface_call
 
     owners = [classes.get(s.owner) for s in sites]
     return bool(owners) and all(
@@ -371,7 +370,7 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
             f"cannot generate: no tiny config builds {kind} (built when {condition}), "
             "so it could be neither proven nor verified"
         )
-    from .faithful.probe import interface_call
+    from .probe import interface_call
 
     for kind in found.all_built() - found.built[0]:
         info = classes.get(kind)

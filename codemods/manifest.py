@@ -11,15 +11,12 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .plan import ModelPlan
+from .plan import Plan
 
 NAME = "manifest.json"
 
 
-def entry(model_plan: "ModelPlan") -> dict:
+def entry(model_plan: Plan) -> dict:
     fusions: dict[str, Counter] = {}
     for r in model_plan.records:
         key = f"{' + '.join(r.sources)} -> {r.target} ({r.vllm_class})"
@@ -32,7 +29,7 @@ def entry(model_plan: "ModelPlan") -> dict:
         "refusals": [r.describe() for r in model_plan.refusals],
         **(
             {"unfused": [u.describe() for u in model_plan.unfused]}
-            if getattr(model_plan, "unfused", None)
+            if model_plan.unfused
             else {}
         ),
     }

@@ -1,4 +1,4 @@
-"""Stage 5: the generated file's header and its black formatting."""
+"""Stage 7: the generated file's header and its black formatting."""
 
 from __future__ import annotations
 
@@ -7,24 +7,24 @@ import black
 from . import __version__
 from .errors import CodemodError
 from .files import package_version
-from .plan import ModelPlan
+from .plan import Plan
 
 MARKER = "@generated"
 ARCH_PREFIX = "Generated"
 
 
-def architecture(plan: ModelPlan) -> str:
+def architecture(plan: Plan) -> str:
     """The distinct architecture name the generated class is registered under."""
     return ARCH_PREFIX + plan.causal_name
 
 
-def regenerate_command(plan: ModelPlan) -> str:
+def regenerate_command(plan: Plan) -> str:
     src = plan.source
     name = src.path.name if src.in_transformers else src.display
     return f"python -m codemods.apply {name}"
 
 
-def header(plan: ModelPlan) -> str:
+def header(plan: Plan) -> str:
     src = plan.source
     rule = "# " + "=" * 86
     lines = [
@@ -39,7 +39,7 @@ def header(plan: ModelPlan) -> str:
         f"# architecture:  {architecture(plan)} -> {plan.causal_name}",
         *(
             f"# environment:   {k}={v} (vLLM must run it so; the model refuses to start otherwise)"
-            for k, v in sorted(getattr(plan, "environment", {}).items())
+            for k, v in sorted(plan.environment.items())
         ),
         rule,
         "# Fusion report:",
@@ -49,7 +49,7 @@ def header(plan: ModelPlan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(plan: ModelPlan, body: str) -> str:
+def render(plan: Plan, body: str) -> str:
     doc = (
         f'"""Native vLLM implementation of {plan.causal_name}, generated from '
         f'{plan.source.display}."""\n'

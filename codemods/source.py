@@ -1,4 +1,4 @@
-"""Stage 1: locate and parse a transformers modeling file."""
+"""Stage 1: locate and parse a transformers modeling file, and read its classes."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import libcst as cst
+import libcst.matchers as m
+
+from fusion_patterns.base import ClassInfo, dotted_name
 
 from .errors import CodemodError
 
@@ -34,6 +37,8 @@ class ModelSource:
     module: cst.Module
     model_type: str
     in_transformers: bool
+    # every class the file defines, by name (the patterns read these)
+    classes: dict[str, ClassInfo]
 
     @property
     def import_name(self) -> str | None:
@@ -98,4 +103,40 @@ def load(name: str) -> ModelSource:
         module=module,
         model_type=match.group(1) if match else path.stem,
         in_transformers=in_transformers,
+        classes=class_infos(module),
     )
+
+
+def class_infos(module: cst.Module) -> dict[str, ClassInfo]:
+    """The classes a module defines: their `__init__`, `forward` and attributes."""
+    out = {}
+    for node in module.body:
+        if not isinstance(node, cst.ClassDef):
+            continue
+        methods = {
+            s.name.value: s for s in node.body.body if isinstance(s, cst.FunctionDef)
+        }
+        init = methods.get("__init__")
+        attrs: dict[str, cst.BaseExpression] = {}
+        choices: dict[str, list[cst.BaseExpression]] = {}
+        if init is not None:
+            for assign in m.findall(
+                init,
+                m.Assign(
+                    targets=[m.AssignTarget(target=m.Attribute(value=m.Name("self")))]
+                ),
+            ):
+                attrs.setdefault(assign.targets[0].target.attr.value, assign.value)
+                choices.setdefault(assign.targets[0].target.attr.value, []).append(
+                    assign.value
+                )
+        out[node.name.value] = ClassInfo(
+            node=node,
+            name=node.name.value,
+            bases=tuple(filter(None, (dotted_name(b.value) for b in node.bases))),
+            init=init,
+            forward=methods.get("forward"),
+            attrs=attrs,
+            choices=choices,
+        )
+    return out

@@ -327,13 +327,10 @@ def tiny_configs(
     if not overrides:  # what the user set is what runs
         from .loading import load_module
         from .source import load
-        from .structure import class_infos
 
         src = load(Path(source).name if source.startswith("transformers/") else source)
         load_module(src, trust_remote_code)
-        variants = layer_kinds.cover(
-            causal_cls, src.module, class_infos(src.module), values
-        ).variants
+        variants = layer_kinds.cover(causal_cls, src.module, src.classes, values).variants
     out = []
     for v in variants:
         v = json.loads(json.dumps(v))

@@ -1,15 +1,21 @@
-"""What every fusion pattern shares: the record it produces and the refusal it can give.
+"""What every fusion pattern shares: the interface the pipeline calls, the claim it
+makes, the record it produces and the refusal it can give.
 
-A pattern module holds one fusion: its libcst matcher over the transformers source, the
-facts it extracts for the emitter, and its contribution to the weight-loading tables.
-The records are data, not exceptions: the planner collects them and every table of the
-generated file (the rewrite, `packed_modules_mapping`, the stacked weight mapping, the
-report) is derived from the same records.
+A pattern is one class on `Pattern` (as vLLM's Transformers-backend fusers are one
+class each on a shared base): it claims the parts of a model it proves (a whole class,
+the constructions of a class, or a rewrite of a copied class), says why it refused the
+candidates it did not prove, and emits what it claimed. The records are data, not
+exceptions: every table of the generated file (the rewrite, `packed_modules_mapping`,
+the stacked weight mapping, the report) is derived from the same records.
+`registry.PATTERNS` lists the patterns in the order the claims stage runs them; no
+stage outside this package names one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import libcst as cst
 import libcst.matchers as m
@@ -39,7 +45,9 @@ class FusionRecord:
     detail: str = ""
 
     def describe(self) -> str:
-        packed = "".join(f", {t}" for t in (self.packed, self.detail) if t)
+        # a module below another sublayer (a MoE block's shared experts) says where
+        where = f"in self.{self.scope}" if "." in self.scope else ""
+        packed = "".join(f", {t}" for t in (self.packed, self.detail, where) if t)
         return (
             f"Fused: {' + '.join(self.sources)} ({self.source_class}) -> "
             f"{self.target} ({self.vllm_class}{packed})"
@@ -99,8 +107,16 @@ class ClassInfo:
         return None
 
     def constructed_classes(self, attr: str) -> list[str]:
-        """Every class `self.<attr>` may be built from, in source order."""
-        calls = [v for v in self.choices.get(attr, []) if isinstance(v, cst.Call)]
+        """Every class `self.<attr>` may be built from, in source order (both sides of
+        `A(...) if <test> else B(...)` too)."""
+        calls = []
+        pending = list(self.choices.get(attr, []))
+        while pending:
+            value = pending.pop(0)
+            if isinstance(value, cst.IfExp):
+                pending[:0] = [value.body, value.orelse]
+            elif isinstance(value, cst.Call):
+                calls.append(value)
         return list(dict.fromkeys(filter(None, (dotted_name(c.func) for c in calls))))
 
 
@@ -164,3 +180,98 @@ def linear_args(
 
 def is_linear(info: ClassInfo, attr: str) -> bool:
     return info.constructed_class(attr) in ("nn.Linear", "torch.nn.Linear", "Linear")
+
+
+# --- the interface ------------------------------------------------------------------
+
+CLASS = "class"  # the pattern emits the class in place of its copy
+CONSTRUCTION = "construction"  # not emitted; every `Cls(...)` becomes the pattern's
+REWRITE = "rewrite"  # the class is copied, and the pattern rewrites part of the copy
+
+
+@dataclass
+class Claim:
+    """One part of the model a pattern proved, and how the generated file holds it."""
+
+    pattern: "Pattern"
+    class_name: str
+    spec: Any
+    kind: str = REWRITE
+    records: list[FusionRecord] = field(default_factory=list)
+    # the claimed module is called with vLLM's `positions` (its own rope): every copied
+    # module between the decoder layer and it hands them down
+    needs_positions: bool = False
+    # the linears of the claimed class and their TP styles, where the claim fixes them
+    styles: dict[str, str] | None = None
+    # expressions of this rank's (query, kv) head counts once the claim has merged the
+    # projections (the copied attention's reshapes count them)
+    heads: tuple[str, str] | None = None
+    # the copied decoder layer now returns (hidden states, residual): the base model's
+    # loop carries the residual and its final norm adds it
+    carries_residual: bool = False
+    # experts fused into vLLM's MoE layer: their (gate_up, down) parameter names, onto
+    # which the loader renames the checkpoint's per-expert tensors
+    experts: tuple[str, str] | None = None
+
+
+class Pattern:
+    """A fusion: `claim` proves parts of one model; the hooks emit what it claimed.
+
+    `claim(model)` gets the model as the stages before it found it (classes, the tiny
+    instance and what each module was called with, the roles, the claims of the
+    patterns before it) and yields `Claim`s and `Refusal`s. The hooks the copy and
+    assembly stages call take only the claim and plain source nodes."""
+
+    name = ""
+
+    def claim(self, model) -> Iterable[Claim | Refusal]:
+        raise NotImplementedError
+
+    # kind == CLASS: the class's text
+    def emit_class(self, claim: Claim, info: ClassInfo) -> str:
+        raise NotImplementedError
+
+    # kind == CONSTRUCTION: the expression built instead of `call`
+    def construction(self, claim: Claim, call: cst.Call) -> str:
+        raise NotImplementedError
+
+    # kind == REWRITE: the copied class, rewritten (after the copy's own changes)
+    def rewrite_class(self, claim: Claim, node: cst.ClassDef) -> cst.ClassDef:
+        return node
+
+    def call_site(self, claim: Claim, call: cst.Call) -> cst.BaseExpression | None:
+        """How a copied caller calls the claimed module (None: as the source does)."""
+        return None
+
+    def base_forward(self, claim: Claim, parts: "BaseForward") -> None:
+        """Adjust the base model's copied forward (the layer loop, what follows it)."""
+
+    def loader(self, claim: Claim) -> "LoaderHook | None":
+        """A transform of the checkpoint's tensors before the loader reads them."""
+        return None
+
+
+@dataclass
+class BaseForward:
+    """The base model's forward as the assembly stage builds it, for `base_forward`
+    hooks: the statements before the layer loop, the loop, those after it, and the
+    names carried from layer to layer (and from one pipeline stage to the next)."""
+
+    prelude: list[cst.BaseStatement]
+    loop: cst.For
+    post: list[cst.BaseStatement]
+    carried: list[str]
+    # first-rank-only initial values of names added to `carried` (`residual = None`)
+    initial: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoaderHook:
+    """Methods the causal LM gains, and what `load_weights` hands its loader instead of
+    the checkpoint's tensors (`self._checkpoint_layout(weights)`) or of the class's
+    mapper (`self._built_merges_mapper()`); `{weights}` and `{mapper}` stand for what
+    the hooks before it gave."""
+
+    methods: str
+    weights: str = "{weights}"
+    mapper: str = "{mapper}"

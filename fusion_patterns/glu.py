@@ -22,17 +22,21 @@ import libcst as cst
 import libcst.matchers as m
 
 from .base import (
+    CLASS,
+    Claim,
     ClassInfo,
-    chunk_call,
     FusionRecord,
+    Pattern,
     PatternRefused,
     Refusal,
+    chunk_call,
     code,
     is_linear,
     linear_args,
     self_call,
 )
-from .qkv import merged_name
+from .emitting import indent, signature, translate_init
+from .qkv.match import merged_name
 
 NAME = "glu"
 VLLM_CLASS = "MergedColumnParallelLinear"
@@ -328,3 +332,87 @@ def _prove_numbers(spec: GLUSpec, module, config, weight, bias) -> None:
             module(x),
             f"{spec.class_name} merged gate/up",
         )
+
+
+# --- the pattern -----------------------------------------------------------------------
+
+WHAT = "gate/up projections"
+
+
+class GLU(Pattern):
+    name = NAME
+
+    def claim(self, model):
+        for n in model.sublayer_candidates():
+            if model.refused(n):  # a block another pattern looked at (a MoE router)
+                continue
+            spec = match(model.classes[n])
+            inst = model.first(n)
+            if spec is None or inst is None:
+                continue
+            if isinstance(spec, Refusal):
+                yield spec
+                continue
+            try:
+                prove(spec, inst, model.config)
+            except PatternRefused as why:
+                yield Refusal(NAME, n, WHAT, str(why))
+                continue
+            except Exception as exc:  # a proof that cannot even run is a refusal
+                text = str(exc).splitlines()[0] if str(exc) else ""
+                yield Refusal(
+                    NAME, n, WHAT, f"proof failed to run: {type(exc).__name__}: {text}"
+                )
+                continue
+            yield Claim(
+                self,
+                n,
+                spec,
+                CLASS,
+                records=[
+                    r
+                    for scope in model.roles.scopes.get(n, [""])
+                    for r in records(spec, scope)
+                ],
+            )
+
+    def emit_class(self, claim: Claim, info: ClassInfo) -> str:
+        return emit(info, claim.spec)
+
+
+def emit(info: ClassInfo, spec: GLUSpec) -> str:
+    """The MLP class: gate and up merged into one column-parallel GEMM, down
+    row-parallel, vLLM's fused activation-and-multiply between them."""
+
+    def translate(attr: str, value: cst.BaseExpression) -> list[str] | None:
+        if attr == spec.gate:
+            in_size, _, bias = spec.gate_args
+            sizes = f"[{code(spec.gate_args[1])}, {code(spec.up_args[1])}]"
+            return [
+                f"# Fused: {spec.gate} + {spec.up} -> {spec.merged} (shard 0 is the activated side)",
+                f"self.{spec.merged} = MergedColumnParallelLinear({code(in_size)}, {sizes}, "
+                f'bias={code(bias)}, quant_config=quant_config, prefix=f"{{prefix}}.{spec.merged}")',
+            ]
+        if attr == spec.up:
+            return []
+        if attr == spec.down:
+            in_size, out_size, bias = spec.down_args
+            return [
+                f"self.{spec.down} = RowParallelLinear({code(in_size)}, {code(out_size)}, "
+                f'bias={code(bias)}, quant_config=quant_config, prefix=f"{{prefix}}.{spec.down}")'
+            ]
+        if attr == spec.act_attr:
+            return [f"self.{attr} = get_act_and_mul_fn({code(spec.act_name)})"]
+        return None
+
+    body = translate_init(info, translate)
+    return f"""
+class {info.name}(nn.Module):
+    def __init__({signature(info)}) -> None:
+{indent(body)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        {spec.merged}, _ = self.{spec.merged}(x)
+        x, _ = self.{spec.down}(self.{spec.act_attr}({spec.merged}))
+        return x
+"""

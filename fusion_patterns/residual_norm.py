@@ -23,7 +23,19 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 
-from .base import ClassInfo, FusionRecord, PatternRefused, Refusal, code, self_attr
+from .base import (
+    REWRITE,
+    BaseForward,
+    Claim,
+    ClassInfo,
+    FusionRecord,
+    Pattern,
+    PatternRefused,
+    Refusal,
+    code,
+    self_attr,
+)
+from .emitting import with_keyword
 
 NAME = "residual_norm"
 
@@ -245,7 +257,11 @@ class _StandIn:
         return (out, None) if self.returns_tuple else out
 
 
-def prove(spec: LayerSpec, layer) -> None:
+def prove(spec: LayerSpec, layer, call=None) -> None:
+    """`call`: (args, kwargs, output) of the layer in the tiny model: the proof runs it
+    with the same other inputs (rotary tables, masks) and its own hidden states."""
+    import copy
+
     import torch
 
     from .dataflow import require_close, single_call, trace
@@ -282,8 +298,13 @@ def prove(spec: LayerSpec, layer) -> None:
             object.__setattr__(layer, block.mixer, _StandIn(size, i, block.unpacks))
             layer._modules.pop(block.mixer, None)
         with torch.no_grad():
-            x = torch.randn(1, 6, size, generator=torch.Generator().manual_seed(2))
-            theirs = layer(x)
+            args, kwargs = ((), {}) if call is None else copy.deepcopy(call[:2])
+            kwargs.pop("hidden_states", None)
+            shape = (1, 6, size)
+            if args and isinstance(args[0], torch.Tensor):
+                shape = tuple(args[0].shape)
+            x = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+            theirs = layer(x, *args[1:], **kwargs)
             h, residual = x, None
             for block in spec.blocks:
                 norm = getattr(layer, block.norm)
@@ -308,3 +329,275 @@ def prove(spec: LayerSpec, layer) -> None:
             if name in layer.__dict__:
                 object.__delattr__(layer, name)
             layer._modules[name] = module
+
+
+# --- the pattern: a rewrite of the copied decoder layer and of the base model's loop ----
+
+WHAT = "residual add + norm"
+CARRIED = "residual"  # the name the base model's loop carries the residual stream under
+
+
+@dataclass(frozen=True)
+class Fold:
+    layer: LayerSpec
+    stream: str  # the layer's hidden-states parameter
+    saved: str  # the layer's name for the saved stream (its residual)
+    final_norm: str | None  # the base model's proven final norm, the last add folds into
+
+
+class ResidualFold(Pattern):
+    """Every decoder layer a sequence of pre-norm residual blocks whose norms are proven
+    RMSNorms: each add is folded into the norm after it (the next block's, the next
+    layer's, or the base model's final norm), as vLLM's native files do."""
+
+    name = NAME
+
+    def claim(self, model):
+        norms = set(model.norm_specs())
+        norm_like = model.norm_classes()
+        folds = {}
+        for n in model.roles.layer_classes:
+            info = model.classes[n]
+            proven = {a for a in info.attrs if info.constructed_class(a) in norms}
+            every = {a for a in info.attrs if info.constructed_class(a) in norm_like}
+            spec = match(info, proven, every)
+            if spec is None:
+                return
+            try:
+                if isinstance(spec, Refusal):
+                    raise PatternRefused(spec.reason)
+                folds[n] = _fold(model, info, spec)
+                for _, layer in model.probe.instances.get(n, [])[:1]:
+                    prove(spec, layer, model.call(layer))
+            except PatternRefused as why:
+                yield Refusal(NAME, n, WHAT, str(why))
+                return
+            except Exception as exc:  # a proof that cannot run is a refusal
+                text = str(exc).splitlines()[0] if str(exc) else ""
+                yield Refusal(
+                    NAME, n, WHAT, f"proof failed to run: {type(exc).__name__}: {text}"
+                )
+                return
+        if not folds:
+            return
+        try:
+            final = _final_norm(model, norms)
+        except PatternRefused as why:
+            for n in folds:
+                yield Refusal(NAME, n, WHAT, str(why))
+            return
+        for n, fold in folds.items():
+            fold = Fold(fold.layer, fold.stream, fold.saved, final)
+            info = model.classes[n]
+            vllm_norms = {
+                a: model.norm_specs()[info.constructed_class(a)].vllm_class
+                for a in info.attrs
+                if info.constructed_class(a) in norms
+            }
+            yield Claim(
+                self,
+                n,
+                fold,
+                REWRITE,
+                records=records(spec_of(fold), vllm_norms),
+                carries_residual=True,
+            )
+
+    def rewrite_class(self, claim: Claim, node: cst.ClassDef) -> cst.ClassDef:
+        fold = claim.spec
+        body = []
+        for stmt in node.body.body:
+            if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
+                stmt = _fold_forward(stmt, fold)
+            body.append(stmt)
+        return node.with_changes(body=node.body.with_changes(body=body))
+
+    def base_forward(self, claim: Claim, parts: BaseForward) -> None:
+        if CARRIED in parts.carried:
+            return  # another layer class's claim adapted the loop already
+        fold = claim.spec
+        stream = parts.carried[0]
+        parts.loop = parts.loop.visit(_LayerCall(stream))
+        parts.carried.append(CARRIED)
+        parts.initial[CARRIED] = "None"
+        at = next(
+            (
+                i
+                for i, s in enumerate(parts.post)
+                if fold.final_norm
+                and m.matches(s, _assign(m.Name(stream), _norm_call(stream)))
+                and s.body[0].value.func.attr.value == fold.final_norm
+            ),
+            None,
+        )
+        if at is not None:
+            parts.post[at] = cst.parse_statement(
+                f"# the last layer's residual add, fused into the final norm\n"
+                f"{stream}, _ = self.{fold.final_norm}({stream}, {CARRIED})\n"
+            )
+        else:  # no final norm to fold it into: the last add, as the source has it
+            parts.post.insert(
+                0, cst.parse_statement(f"{stream} = {stream} + {CARRIED}\n")
+            )
+
+
+def spec_of(fold: Fold) -> LayerSpec:
+    return fold.layer
+
+
+def _fold(model, info: ClassInfo, spec: LayerSpec) -> Fold:
+    params = [p.name.value for p in info.forward.params.params if p.name.value != "self"]
+    if not params:
+        raise PatternRefused("forward takes no hidden states")
+    body = [s for s in info.forward.body.body if not _docstring(s)]
+    saved = {s.body[0].targets[0].target.value for s in body if _saves(s, params[0])}
+    if len(saved) != 1:
+        raise PatternRefused("the blocks save the stream under different names")
+    name = saved.pop()
+    if name in params:
+        raise PatternRefused(f"`{name}` is also a parameter of forward")
+    _loop_call(model, params[0])
+    return Fold(spec, params[0], name, None)
+
+
+def _docstring(stmt) -> bool:
+    return m.matches(stmt, m.SimpleStatementLine([m.Expr(m.SimpleString())]))
+
+
+def _saves(stmt, h: str) -> bool:
+    return m.matches(stmt, _assign(m.Name(), m.Name(h)))
+
+
+def _loop_call(model, layer_stream: str) -> None:
+    """The base model's loop hands each layer the stream and stores what it returns,
+    and reads the stream nowhere else (between layers it becomes the un-added output)."""
+    base = model.roles.base
+    loops = [
+        s
+        for s in m.findall(base.forward, m.For())
+        if m.findall(s.iter, self_attr(model.roles.layers_attr))
+    ]
+    if len(loops) != 1:
+        raise PatternRefused(f"{base.name}.forward does not loop once over its layers")
+    loop = loops[0]
+    names = {n.value for n in m.findall(loop.target, m.Name())}
+    calls = m.findall(
+        loop.body,
+        m.Assign(value=m.Call(func=m.Name(m.MatchIfTrue(lambda v: v in names)))),
+    )
+    if len(calls) != 1 or not isinstance(calls[0].targets[0].target, cst.Name):
+        raise PatternRefused(
+            f"{base.name}'s loop does not assign `<stream> = <layer>(...)` once"
+        )
+    stream = calls[0].targets[0].target.value
+    keywords = {id(a.keyword) for a in m.findall(loop.body, m.Arg()) if a.keyword}
+    reads = [n for n in m.findall(loop.body, m.Name(stream)) if id(n) not in keywords]
+    if len(reads) != 2:  # the call's argument and the assignment's target
+        raise PatternRefused(
+            f"{base.name}'s loop reads `{stream}` besides handing it to the layer"
+        )
+
+
+def _final_norm(model, norms: set[str]) -> str | None:
+    """The base model's norm applied right after the loop, if it is a proven RMSNorm."""
+    base = model.roles.base
+    loops = [
+        s
+        for s in base.forward.body.body
+        if isinstance(s, cst.For) and m.findall(s.iter, self_attr(model.roles.layers_attr))
+    ]
+    if not loops:
+        raise PatternRefused(f"{base.name}.forward loops over its layers inside a block")
+    after = list(base.forward.body.body)
+    after = after[after.index(loops[0]) + 1 :]
+    first = next(iter(after), None)
+    if first is None or not m.matches(first, _assign(m.Name(), m.Call(func=self_attr()))):
+        return None
+    attr = first.body[0].value.func.attr.value
+    return attr if base.constructed_class(attr) in norms else None
+
+
+def _fold_forward(func: cst.FunctionDef, fold: Fold) -> cst.FunctionDef:
+    h, r = fold.stream, fold.saved
+    out: list[cst.BaseStatement] = []
+    stmts = list(func.body.body)
+    block = 0
+    i = 0
+    while i < len(stmts):
+        s = stmts[i]
+        if _saves(s, h) and i + 1 < len(stmts):
+            norm = stmts[i + 1].body[0].value.func.attr.value
+            if block == 0:
+                text = (
+                    f"if {r} is None:\n"
+                    f"    {r} = {h}\n"
+                    f"    {h} = self.{norm}({h})\n"
+                    "else:\n"
+                    "    # the previous layer's residual add, fused into this norm\n"
+                    f"    {h}, {r} = self.{norm}({h}, {r})\n"
+                )
+            else:
+                text = f"{h}, {r} = self.{norm}({h}, {r})\n"
+            out.append(cst.parse_statement(text))
+            block += 1
+            i += 2
+            continue
+        if _adds(s, h, r):
+            kept = _without_residual(s.body[0].value, r)
+            if not m.matches(kept, m.Name(h)):
+                out.append(s.with_changes(body=[s.body[0].with_changes(value=kept)]))
+            i += 1
+            continue
+        if m.matches(s, m.SimpleStatementLine([m.Return(m.Name(h))])):
+            out.append(cst.parse_statement(f"return {h}, {r}\n"))
+            i += 1
+            continue
+        out.append(s)
+        i += 1
+    param = cst.Param(
+        cst.Name(r),
+        annotation=cst.Annotation(cst.parse_expression("torch.Tensor | None")),
+        default=cst.Name("None"),
+    )
+    params = func.params
+    if isinstance(params.star_arg, cst.Param) or params.kwonly_params:
+        params = params.with_changes(kwonly_params=[*params.kwonly_params, param])
+    else:
+        params = params.with_changes(params=[*params.params, param])
+    return func.with_changes(
+        params=params, body=func.body.with_changes(body=out), returns=None
+    )
+
+
+def _adds(stmt, h: str, r: str) -> bool:
+    return m.matches(
+        stmt,
+        _assign(
+            m.Name(h),
+            m.BinaryOperation(left=m.Name(r), operator=m.Add())
+            | m.BinaryOperation(right=m.Name(r), operator=m.Add()),
+        ),
+    )
+
+
+def _without_residual(value: cst.BinaryOperation, r: str) -> cst.BaseExpression:
+    other = value.right if m.matches(value.left, m.Name(r)) else value.left
+    return other
+
+
+class _LayerCall(cst.CSTTransformer):
+    """`h = layer(h, ...)` -> `h, residual = layer(h, ..., residual=residual)`."""
+
+    def __init__(self, stream: str):
+        self.stream = stream
+
+    def leave_Assign(self, original, updated: cst.Assign):
+        if not (
+            m.matches(updated.targets[0].target, m.Name(self.stream))
+            and isinstance(updated.value, cst.Call)
+            and m.findall(updated.value, m.Name(self.stream))
+        ):
+            return updated
+        call = with_keyword(updated.value, CARRIED, CARRIED)
+        target = cst.parse_expression(f"{self.stream}, {CARRIED}")
+        return updated.with_changes(targets=[cst.AssignTarget(target)], value=call)

@@ -15,10 +15,14 @@ import libcst as cst
 import libcst.matchers as m
 
 from .base import (
+    CONSTRUCTION,
+    Claim,
     ClassInfo,
     FusionRecord,
+    Pattern,
     PatternRefused,
     Refusal,
+    code,
     dotted_name,
     self_attr,
 )
@@ -226,3 +230,47 @@ def prove(spec: NormSpec, module) -> None:
             )
     finally:
         setattr(module, eps_attr, saved)
+
+
+# --- the pattern -----------------------------------------------------------------------
+
+
+class RMSNormPattern(Pattern):
+    """A norm class vLLM's `RMSNorm` computes: not emitted; each construction of it
+    becomes vLLM's norm with the same size and eps."""
+
+    name = NAME
+
+    def claim(self, model):
+        for n in model.roles.wanted:
+            result = match(model.classes[n])
+            if result is None:
+                continue
+            if isinstance(result, Refusal):
+                yield result
+                continue
+            inst = model.first(n)
+            if inst is None:
+                continue
+            try:
+                prove(result, inst)
+            except PatternRefused as why:
+                yield Refusal(NAME, n, n, str(why))
+                continue
+            yield Claim(
+                self,
+                n,
+                result,
+                CONSTRUCTION,
+                records=[
+                    record(result, owner, attr)
+                    for owner in model.roles.wanted
+                    for attr in model.classes[owner].attrs
+                    if n in model.classes[owner].constructed_classes(attr)
+                ],
+            )
+
+    def construction(self, claim: Claim, call: cst.Call) -> str:
+        size, eps = claim.spec.bind(call)
+        eps_arg = f", eps={code(eps)}" if eps is not None else ""
+        return f"{claim.spec.vllm_class}({code(size)}{eps_arg})"

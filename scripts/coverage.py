@@ -94,9 +94,9 @@ def run_one(name: str, backend: bool) -> dict:
         row.update(status="bug", reason=f"{type(exc).__name__}: {exc}".splitlines()[0])
         return row
     row.update(
-        layout=getattr(plan, "layout", "native"),
+        layout=plan.layout,
         fused=[r.describe() for r in plan.records],
-        unfused=[u.describe() for u in getattr(plan, "unfused", [])],
+        unfused=[u.describe() for u in plan.unfused],
         refusals=[r.describe() for r in plan.refusals],
         apply_s=round(time.time() - start, 1),
     )
@@ -127,15 +127,14 @@ def unverified_kinds(name: str, kinds: list[str] | None) -> list[str]:
     """The classes the source's constructors can build on some branch that the verify
     runs did not build."""
     from codemods import branches, layer_kinds, loading
-    from codemods.faithful.generate import pick_causal
+    from codemods.roles import causal_class
     from codemods.source import load
-    from codemods.structure import class_infos
 
     if kinds is None:
         return []
     src = load(name)
-    classes = class_infos(src.module)
-    causal = pick_causal(loading.load_module(src), classes, src)
+    classes = src.classes
+    causal = causal_class(loading.load_module(src), classes, src)
     reachable = layer_kinds._modules(
         causal, branches.reachable_kinds(classes, causal.__name__, set(kinds))
     )

@@ -1,4 +1,6 @@
-"""Helpers shared by the emitters: source expressions, translated `__init__` bodies."""
+"""Helpers the patterns' emitters share: source expressions, translated `__init__`
+bodies. An emitter that meets something it cannot write raises `PatternRefused`: the
+patterns emit while they claim, so that is a refusal, not a crash."""
 
 from __future__ import annotations
 
@@ -8,17 +10,13 @@ from collections.abc import Callable
 import libcst as cst
 import libcst.matchers as m
 
-from fusion_patterns.base import ClassInfo, code
-from fusion_patterns.rms_norm import NormSpec
+from .base import ClassInfo, PatternRefused, code
+from .rms_norm import NormSpec
 
-from ..errors import CodemodError
-
-# Extra constructor arguments each kind of generated module takes, as vLLM's own do.
-ATTENTION_EXTRAS = ("cache_config", "quant_config", "prefix")
-MLP_EXTRAS = ("quant_config", "prefix")
-LAYER_EXTRAS = ("cache_config", "quant_config", "prefix")
+# Extra constructor arguments every emitted module takes (its copied callers pass them,
+# as they do to every class holding vLLM layers).
+EXTRAS = ("quant_config", "prefix")
 EXTRA_PARAMS = {
-    "cache_config": "cache_config: CacheConfig | None = None",
     "quant_config": "quant_config: QuantizationConfig | None = None",
     "prefix": 'prefix: str = ""',
 }
@@ -41,19 +39,17 @@ def source_params(info: ClassInfo, drop: tuple[str, ...] = ()) -> list[str]:
         or params.star_kwarg
         or params.kwonly_params
     ):
-        raise CodemodError(
-            f"cannot generate: {info.name}.__init__ takes *args/**kwargs or keyword-only arguments"
+        raise PatternRefused(
+            f"{info.name}.__init__ takes *args/**kwargs or keyword-only arguments"
         )
     # Annotations are dropped: they may name source-only imports (e.g. the config class).
     kept = [p for p in params.params if p.name.value not in ("self", *drop)]
     return [p.name.value + (f"={code(p.default)}" if p.default else "") for p in kept]
 
 
-def signature(
-    info: ClassInfo, extras: tuple[str, ...], drop: tuple[str, ...] = ()
-) -> str:
+def signature(info: ClassInfo, drop: tuple[str, ...] = ()) -> str:
     return ", ".join(
-        ["self", *source_params(info, drop), *(EXTRA_PARAMS[e] for e in extras)]
+        ["self", *source_params(info, drop), *(EXTRA_PARAMS[e] for e in EXTRAS)]
     )
 
 
@@ -130,3 +126,59 @@ def _translate_if(node: cst.If, translate: Translate, keyword: str) -> list[str]
         for stmt in node.orelse.body.body:
             out += ["    " + line for line in _translate_statement(stmt, translate)]
     return out
+
+
+def returned_arity(info: ClassInfo) -> int:
+    """How many values the source's forward returns (`return out, weights`: 2)."""
+    returns = m.findall(info.forward, m.Return())
+    sizes = {
+        len(r.value.elements) if isinstance(r.value, cst.Tuple) else 1
+        for r in returns
+        if r.value is not None
+    }
+    if len(sizes) != 1:
+        raise PatternRefused(f"{info.name}.forward returns values of several arities")
+    return sizes.pop()
+
+
+def positions_call(call: cst.Call, arity: int) -> cst.BaseExpression:
+    """A copied caller's `self.<attr>(hidden_states=h, <the source's other inputs>)` ->
+    `self.<attr>(positions, h)` for a module in vLLM's layout (it returns one tensor;
+    where the source returned more, Nones stand in for the rest)."""
+    hidden = [
+        a.value
+        for a in call.args
+        if not a.star and (a.keyword is None or a.keyword.value == "hidden_states")
+    ]
+    if not hidden:
+        raise PatternRefused(f"`{code(call)}` passes no hidden states")
+    native = cst.parse_expression(f"{code(call.func)}(positions, {code(hidden[0])})")
+    if arity == 1:
+        return native
+    return cst.Tuple(
+        [cst.Element(native)] + [cst.Element(cst.Name("None")) for _ in range(arity - 1)]
+    )
+
+
+def with_keyword(call: cst.Call, name: str, value: str) -> cst.Call:
+    """`f(a, **kw)` -> `f(a, <name>=<value>, **kw)`."""
+    args = list(call.args)
+    at = next((i for i, a in enumerate(args) if a.star == "**"), len(args))
+    new = cst.Arg(
+        cst.parse_expression(value),
+        keyword=cst.Name(name),
+        equal=cst.AssignEqual(
+            whitespace_before=cst.SimpleWhitespace(""),
+            whitespace_after=cst.SimpleWhitespace(""),
+        ),
+    )
+    if at > 0:
+        args[at - 1] = args[at - 1].with_changes(
+            comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+        )
+    if at < len(args):
+        new = new.with_changes(
+            comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+        )
+    args.insert(at, new)
+    return call.with_changes(args=args)

@@ -1,4 +1,4 @@
-"""Tensor parallelism for faithful classes: transformers' own plan, proven per class.
+"""Tensor parallelism for copied classes: a plan of column/row styles, proven per class.
 
 A class's linears are sharded as the config class's `base_model_tp_plan` says
 (colwise / rowwise; the gathered variants behave like replicated ones), but only if
@@ -13,8 +13,6 @@ a whole projection, fail it; the class is then replicated, which is always corre
 from __future__ import annotations
 
 import copy
-
-from ..errors import CodemodError
 
 RANKS = 2
 TOLERANCE = 1e-5
@@ -141,8 +139,3 @@ def prove(
             return f"sharded over {RANKS} ranks it computes something else (relative error {err / ref:.1e})"
     return None
 
-
-def require_known(styles):  # pragma: no cover - kept for symmetry with the plan
-    for s in styles.values():
-        if s not in SHARDED | {"colwise_gather_output", "rowwise_split_input"}:
-            raise CodemodError(f"unknown TP style {s}")

@@ -1,14 +1,9 @@
-"""Stage 4: emit the vLLM model file from a plan (class by class, in source order)."""
+"""The generated file's imports: only the names the emitted code uses, grouped
+stdlib / torch / transformers / vllm."""
 
 from __future__ import annotations
 
 import re
-
-from ..plan import ModelPlan
-from fusion_patterns.mla import MLASpec
-from fusion_patterns.moe import MoESpec
-
-from . import attention, copied, mla, mlp, model, moe
 
 # (module, names): only the names the emitted classes use are imported.
 IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -113,34 +108,3 @@ def imports_for(body: str, defined: set[str] = frozenset()) -> str:
             group = module.split(".")[0] if module.split(".")[0] in groups else "std"
             groups[group].append(f"from {module} import {', '.join(used)}")
     return "\n\n".join("\n".join(lines) for lines in groups.values() if lines) + "\n"
-
-
-def emit_body(plan: ModelPlan) -> str:
-    """Everything below the header: imports and the classes, unformatted."""
-    s = plan.structure
-    attn_info = s.classes[s.attention.class_name]
-    mlp_classes = []
-    for cls, spec in s.mlps.items():
-        if isinstance(spec, MoESpec):
-            mlp_classes.append(moe.emit(s.classes[cls], spec))
-        elif spec is not None:
-            mlp_classes.append(mlp.emit(s.classes[cls], spec))
-        else:
-            mlp_classes.append(mlp.emit_unfused(s.classes[cls], *s.mlp_sharding[cls]))
-    classes = [
-        *copied.emit(s),
-        *mlp_classes,
-        (
-            mla.emit(attn_info, s.attention, s.norms)
-            if isinstance(s.attention, MLASpec)
-            else attention.emit(
-                attn_info, s.attention, s.norms, s.neox_rotary, s.rope_by_layer_type
-            )
-        ),
-        model.emit_layer(plan),
-        model.emit_model(plan),
-        model.emit_causal_lm(plan),
-    ]
-    body = "\n\n".join(classes)
-    body = "\n\n".join([*copied.functions(s, body), body])
-    return imports_for(body) + body

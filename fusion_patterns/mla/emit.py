@@ -7,18 +7,10 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from fusion_patterns.base import ClassInfo, code
-from fusion_patterns.mla import MERGED, MLASpec, linear_of
-from fusion_patterns.rms_norm import NormSpec
-
-from ..errors import CodemodError
-from .common import (
-    ATTENTION_EXTRAS,
-    indent,
-    norm_construction,
-    signature,
-    translate_init,
-)
+from ..base import ClassInfo, PatternRefused, code
+from ..emitting import indent, norm_construction, signature, translate_init
+from ..rms_norm import NormSpec
+from .match import MERGED, MLASpec, linear_of
 
 # vLLM 0.32's CPU rotary kernel mis-rotates a [tokens, heads, dim] query, the shape the
 # MLA layer passes (found by the verification: logprobs off by ~1 from the second
@@ -40,8 +32,8 @@ class _FlatRope(nn.Module):
 def _split_heads(expr: cst.BaseExpression, what: str) -> list[cst.BaseExpression]:
     """`<heads> * (<a> + <b>)` -> [heads, a, b]; `<heads> * <a>` -> [heads, a]."""
     if not m.matches(expr, m.BinaryOperation(operator=m.Multiply())):
-        raise CodemodError(
-            f"cannot generate: {what} `{code(expr)}` is not `<heads> * <size>`"
+        raise PatternRefused(
+            f"{what} `{code(expr)}` is not `<heads> * <size>`"
         )
     right = expr.right
     if m.matches(right, m.BinaryOperation(operator=m.Add())):
@@ -53,7 +45,8 @@ def _norm(info: ClassInfo, attr: str, norms: dict[str, NormSpec]) -> str:
     for call in m.findall(info.attrs[attr], m.Call(func=m.Name())):
         if call.func.value in norms:
             return norm_construction(norms[call.func.value], call)
-    raise CodemodError(f"cannot generate: self.{attr} is not a proven RMSNorm")
+    raise PatternRefused(
+            f"self.{attr} is not a proven RMSNorm")
 
 
 def _condition(info: ClassInfo, attr: str) -> str:
@@ -82,7 +75,8 @@ def emit(info: ClassInfo, spec: MLASpec, norms: dict[str, NormSpec]) -> str:
     # the source's plain attributes (sizes, scaling) are kept; its modules are rebuilt below
     body = translate_init(info, lambda attr, value: [] if attr in modules else None)
     if "scaling" not in info.attrs:
-        raise CodemodError(f"cannot generate: {info.name} sets no self.scaling")
+        raise PatternRefused(
+            f"{info.name} sets no self.scaling")
 
     def linear(cls: str, attr: str, args, extra: str = "") -> str:
         size_in, size_out, bias = args
@@ -93,8 +87,8 @@ def emit(info: ClassInfo, spec: MLASpec, norms: dict[str, NormSpec]) -> str:
 
     q_a, kv_a = linear_of(info, spec.q_a), linear_of(info, spec.kv_a)
     if code(q_a[2]) != code(kv_a[2]) or code(q_a[0]) != code(kv_a[0]):
-        raise CodemodError(
-            f"cannot generate: {info.name}.{spec.q_a} and {spec.kv_a} differ in input or bias"
+        raise PatternRefused(
+            f"{info.name}.{spec.q_a} and {spec.kv_a} differ in input or bias"
         )
     heads, nope, v = _split_heads(linear_of(info, spec.kv_b)[1], f"{spec.kv_b} output")
     cond = _condition(info, spec.q_a)
@@ -117,8 +111,8 @@ def emit(info: ClassInfo, spec: MLASpec, norms: dict[str, NormSpec]) -> str:
             linear("ColumnParallelLinear", spec.q_proj, linear_of(info, spec.q_proj))
         )
     elif cond != "True":
-        raise CodemodError(
-            f"cannot generate: {info.name} has no q projection when not `{cond}`"
+        raise PatternRefused(
+            f"{info.name} has no q projection when not `{cond}`"
         )
     lines = [f"if {cond}:", *("    " + line for line in low_rank)]
     if cond != "True":
@@ -158,7 +152,7 @@ def emit(info: ClassInfo, spec: MLASpec, norms: dict[str, NormSpec]) -> str:
         "        is_sparse=False,",
         "        topk_indices_buffer=None,",
         "    ),",
-        "    cache_config,",
+        "    get_current_vllm_config().cache_config,",
         "    quant_config,",
         "    prefix,",
         ")",
@@ -166,9 +160,12 @@ def emit(info: ClassInfo, spec: MLASpec, norms: dict[str, NormSpec]) -> str:
     return f"""{FLAT_ROPE}
 
 class {info.name}(nn.Module):
-    def __init__({signature(info, ATTENTION_EXTRAS)}) -> None:
+    def __init__({signature(info)}) -> None:
 {indent(body + lines)}
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.mla_attn(positions, hidden_states)
+        # vLLM's layout: one row per token
+        shape = hidden_states.shape
+        out = self.mla_attn(positions, hidden_states.reshape(-1, shape[-1]))
+        return out.view(*shape[:-1], -1)
 """

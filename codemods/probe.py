@@ -1,7 +1,8 @@
-"""Run the source's own tiny model once and record what the faithful emitter needs to
-know about it: the modules each class is instantiated as, and, for every attention
+"""Stage 2: build the source's own tiny model once and run it once, recording what the
+later stages need to know about it: the modules each class is instantiated as, what
+every module is called with and returns (its first call), and, for every attention
 layer, what it hands its attention interface (query/key/value, the mask, the keyword
-arguments) and what that interface returns.
+arguments) or its own attention core, and what that returns.
 
 The probe runs the copy's own branches: the model runs under an attention
 implementation that is none of transformers' (as under vLLM, where the copy reads
@@ -20,6 +21,8 @@ import libcst as cst
 import libcst.matchers as m
 
 from fusion_patterns.base import ClassInfo, code
+
+from .errors import CodemodError
 
 PROBE_TOKENS = 40  # past the tiny windows (8) and the shrunk lengths (32), so both show in the masks
 PROBE_IMPL = "codemods_probe"
@@ -46,6 +49,9 @@ class Probe:
     calls: list[AttentionCall] = field(default_factory=list)
     # id(module) -> (args, kwargs, output) of its first call, for the classes asked for
     module_calls: dict[int, tuple] = field(default_factory=dict)
+    # classes that compute attention themselves -> (their core, what each layer's
+    # core was handed and returned)
+    eager: dict[str, tuple] = field(default_factory=dict)
 
     def first(self, cls: str):
         found = self.instances.get(cls)
@@ -282,5 +288,74 @@ def _detach(value):
     return value
 
 
-def source_text(node: cst.CSTNode) -> str:
-    return code(node)
+def probe(pymodule, classes: dict[str, ClassInfo], causal_cls, values) -> Probe:
+    """The tiny model `values` build (one build per `apply`), run once."""
+    from .copying import eager_attention
+
+    # attention classes keep their __init__ locals while the tiny model is built
+    candidates = [
+        info
+        for info in classes.values()
+        if info.forward is not None
+        and (interface_call(info.forward) or eager_attention.find(info))
+    ]
+    with init_locals(pymodule, candidates):
+        config, model = build(causal_cls, values)
+    from .layer_kinds import refuse_encoder_decoder
+
+    refuse_encoder_decoder(causal_cls, config)
+    built = [n for n in dict.fromkeys(type(x).__name__ for x in model.modules()) if n in classes]
+    attention = {
+        n: classes[n]
+        for n in built
+        if classes[n].forward is not None and interface_call(classes[n].forward)
+    }
+    eager = {
+        n: (core, [])
+        for n in built
+        if n not in attention and (core := eager_attention.find(classes[n])) is not None
+    }
+    patches = [
+        eager_attention.instrumented(
+            pymodule, getattr(pymodule, n), core, classes[n], sink
+        )
+        for n, (core, sink) in eager.items()
+    ]
+    try:
+        found = run(pymodule, model, config, attention, config.vocab_size, patches, set(built))
+    except CodemodError:
+        raise
+    except Exception as exc:
+        raise CodemodError(
+            f"cannot run a tiny {causal_cls.__name__} from the source: "
+            f"{type(exc).__name__}: {_first_line(exc)}"
+        ) from None
+    found.eager = eager
+    return found
+
+
+def build(causal_cls, values: dict | None = None):
+    """(config, model) of the tiny model, its weights random (norms too)."""
+    import torch
+
+    from . import tiny
+
+    try:
+        if values is None:
+            values = tiny.working_values(causal_cls)
+        config = causal_cls.config_class(**values)
+        config._attn_implementation = "eager"
+        torch.manual_seed(0)
+        model = causal_cls(config).float().eval()
+    except Exception as exc:
+        raise CodemodError(
+            f"cannot build a tiny {causal_cls.__name__} from the source: "
+            f"{type(exc).__name__}: {_first_line(exc)}"
+        ) from None
+    tiny.randomize(model)
+    return config, model
+
+
+def _first_line(exc) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else ""

@@ -26,7 +26,8 @@ import libcst.matchers as m
 from fusion_patterns.base import ClassInfo, code
 
 from ..errors import CodemodError
-from .probe import AttentionCall, interface_call
+from ..probe import AttentionCall, interface_call
+from .inference import inference_folded
 
 NAME = "attention"
 TOLERANCE = 1e-5
@@ -65,8 +66,6 @@ class AttentionSpec:
     container: str | None = None  # the helper method returns a list / tuple
     arity: int = 1
     alibi: str | None = None  # an expression for the ALiBi slopes
-    # q/k/v proven to merge (fusion_patterns.qkv): one QKVParallelLinear
-    qkv: object = None
     # attention within aligned chunks of this many tokens (Llama 4's local layers):
     # vLLM's ChunkedLocalAttention on the layers where it is not None
     chunk: str | None = None
@@ -328,8 +327,6 @@ def infer(
         raise CodemodError(
             f"cannot generate: {info.name}.forward does not call its attention interface once"
         )
-    from .rewrite import inference_folded
-
     # on the path that runs under vLLM (GPT-2's cross-attention branch rebinds its mask)
     try:
         folded = inference_folded(info.forward)

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import libcst as cst
 
-from fusion_patterns.base import ClassInfo, code
-from fusion_patterns.moe import MoESpec
-
-from .common import MLP_EXTRAS, indent, signature, translate_init, with_extras
+from ..base import ClassInfo, code
+from ..emitting import EXTRAS, indent, signature, translate_init, with_extras
+from .match import MoESpec
 
 
 def emit(info: ClassInfo, spec: MoESpec) -> str:
@@ -56,7 +55,7 @@ def emit(info: ClassInfo, spec: MoESpec) -> str:
                 ")",
             ]
         if attr == spec.shared_attr:
-            return [f"self.{attr} = {with_extras(value, MLP_EXTRAS, attr)}"]
+            return [f"self.{attr} = {with_extras(value, EXTRAS, attr)}"]
         return None
 
     body = translate_init(info, translate)
@@ -67,7 +66,7 @@ def emit(info: ClassInfo, spec: MoESpec) -> str:
     )
     return f"""
 class {info.name}(nn.Module):
-    def __init__({signature(info, MLP_EXTRAS)}) -> None:
+    def __init__({signature(info)}) -> None:
 {indent(body)}
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,182 @@
+"""Stage 6: the base model, the wrappers around it, the causal LM (head, logits,
+weight loading) around the copied and claimed classes; the source's module-level
+definitions the code needs; the imports; whether vLLM may compile the model."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dataclasses import dataclass, field
+
+from fusion_patterns.mla import vllm_assumes_mla
+
+from ..copying import Copied, Unfused
+from ..copying import eager_attention, vllm_attention
+from ..copying.definitions import Definitions, closure, copied_text
+from ..plan import Plan
+from . import compile, dead_code, weights
+from .base_model import emit_base
+from .causal_lm import CausalRoles, Loading, emit_causal
+from .imports import imports_for
+
+if TYPE_CHECKING:
+    from ..claims import Model
+
+WRAPPER = """
+class {name}(nn.Module):
+    # a pass-through around the module holding the layers, as in the source
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.config = vllm_config.model_config.hf_config
+        self.{attr} = {inner}(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "{attr}"))
+        self.make_empty_intermediate_tensors = self.{attr}.make_empty_intermediate_tensors
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.{attr}.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.{attr}(input_ids, positions, intermediate_tensors, inputs_embeds)
+"""
+
+
+@dataclass
+class Assembled:
+    text: str  # imports and classes, unformatted
+    unfused: list[Unfused] = field(default_factory=list)
+    environment: dict[str, str] = field(default_factory=dict)
+
+
+def assemble(model: Model, copied: Copied, defs: Definitions, plan: Plan) -> Assembled:
+    roles, ctx, classes = model.roles, copied.context, model.classes
+    out = Assembled("")
+    pieces = dict(copied.pieces)
+    require_no_mla = bool(ctx.attention) and vllm_assumes_mla(model.config)
+    if require_no_mla:
+        out.environment["VLLM_MLA_DISABLE"] = "1"
+        out.unfused.append(
+            Unfused(
+                roles.causal.name,
+                "latent attention",
+                "its attention is emitted from the source on vLLM's standard attention "
+                "(expanded keys and values), so vLLM's MLA path must be off: VLLM_MLA_DISABLE=1",
+            )
+        )
+    pieces[roles.base.name] = emit_base(roles, ctx, model.claims)
+    for inner_attr, wrapper in roles.wrappers:
+        inner = type(getattr(wrapper, inner_attr)).__name__
+        pieces[type(wrapper).__name__] = WRAPPER.format(
+            name=type(wrapper).__name__, attr=inner_attr, inner=inner
+        )
+    pieces[roles.causal.name] = emit_causal(
+        _causal_roles(model, require_no_mla),
+        ctx,
+        plan.packed_modules_mapping(),
+        _loading(model, plan),
+    )
+    keep = {roles.base.name, roles.causal.name} | roles.wrapper_names
+    removed = dead_code.prune(pieces, roles, keep)
+    plan.unfused[:] = [u for u in plan.unfused if u.source_class not in removed]
+    order = list(classes)
+    body = "\n\n".join(pieces[n] for n in sorted(pieces, key=order.index))
+    helper = _helpers(ctx)
+    body = helper + "\n\n" + body
+    head = imports_for(body, set(classes))
+    names, imports = closure(
+        defs,
+        head + body,
+        set(pieces)
+        | {"vllm_attention", "vllm_attention_heads", *eager_attention.ALIBI_HELPERS},
+    )
+    text = copied_text(defs, names)
+    # definitions in source order among the classes (constants may name classes)
+    blocks = [
+        pieces[n] if n in pieces else text[names.index(n)]
+        for n in dict.fromkeys(n for n in defs.order if n in pieces or n in names)
+    ]
+    body = "\n\n".join([helper, *blocks])
+    dynamic = compile.data_dependent(body)
+    if dynamic:
+        owner, construct = dynamic[0]
+        base = roles.base.name
+        body = body.replace(
+            f"@support_torch_compile\nclass {base}(", f"class {base}(", 1
+        )
+        out.unfused.append(
+            Unfused(
+                base,
+                "torch.compile",
+                f"off: {owner} has a data-dependent shape ({construct}), which one "
+                "captured graph cannot hold; the model runs eagerly",
+            )
+        )
+        head = head.replace(
+            "from vllm.compilation.decorators import support_torch_compile\n", ""
+        )
+    extra = "\n".join(i for i in imports if i not in head.splitlines())
+    out.text = head + ("\n" + extra + "\n" if extra else "") + "\n\n" + body
+    return out
+
+
+def _helpers(ctx) -> str:
+    """Module-level helpers the copied attentions call."""
+    specs = ctx.attention.values()
+    helper = (
+        vllm_attention.VLLM_ATTENTION_HELPER
+        if any(sp.eager is None for sp in specs)
+        else ""
+    )
+    if any(sp.eager is not None for sp in specs):
+        helper += eager_attention.HELPER
+    helper = helper.replace("attn: Attention", f"attn: {ctx.attention_name}")
+    for name, text in eager_attention.ALIBI_HELPERS.items():
+        if any(sp.alibi and f"{name}(" in sp.alibi for sp in specs):
+            helper += text
+    return helper
+
+
+def _causal_roles(model: Model, require_no_mla: bool) -> CausalRoles:
+    from fusion_patterns.base import code, linear_args
+
+    roles = model.roles
+    causal = roles.causal
+    in_size, vocab, bias = linear_args(causal.attrs[roles.head_attr])
+    return CausalRoles(
+        info=causal,
+        model_attr=roles.base_attr,
+        base_name=type(getattr(model.probe.model, roles.base_attr)).__name__,
+        head_attr=roles.head_attr,
+        head_bias=code(bias) != "False",
+        vocab=vocab,
+        hidden=in_size,
+        tied_embedding=roles.tied_embedding,
+        last_rank_attrs=roles.last_rank_attrs,
+        require_no_mla=require_no_mla,
+        embedding=roles.vocab_attr.split(".")[-1],
+    )
+
+
+def _loading(model: Model, plan: Plan) -> Loading:
+    causal_cls = type(model.probe.model)
+    renames, stacking, fused = weights.conversions(
+        causal_cls,
+        model.config.model_type,
+        [c.experts for c in model.claims if c.experts],
+    )
+    mapper, methods, weights_arg = weights.loader_code(
+        renames, stacking, plan.stacked_params(), fused
+    )
+    loading = Loading(mapper, methods, stacked=weights_arg == "stacked")
+    for claim in model.claims:
+        hook = claim.pattern.loader(claim)
+        if hook is None or hook.methods in loading.methods:
+            continue
+        loading.methods += hook.methods
+        loading.weights = hook.weights.format(weights=loading.weights)
+        loading.mapper_expr = hook.mapper.format(mapper=loading.mapper_expr)
+    return loading

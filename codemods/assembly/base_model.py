@@ -1,0 +1,181 @@
+"""The base model in vLLM's interface: its `__init__` is the source's, statement for
+statement, with vLLM's vocabulary embedding, `make_layers` for the layer list (this
+rank's layers, `PPMissingLayer`s for the others) and each module built on the pipeline
+ranks that use it; its forward is `base_forward.py`'s."""
+
+from __future__ import annotations
+
+import textwrap
+import libcst as cst
+import libcst.matchers as m
+
+from fusion_patterns.base import ClassInfo, code, dotted_name
+
+from ..copying.classes import Context, _InitRewrite
+from ..copying.definitions import strip_decorators
+from ..copying.inference import inference_folded
+from ..errors import CodemodError
+from ..roles import Roles
+from .base_forward import base_forward
+from .ranks import KEEP_EVERY_RANK, _flatten, _rank_guard
+
+
+def emit_base(roles: Roles, ctx: Context, claims: list) -> str:
+    info = roles.base
+    body: list[str] = [
+        "super().__init__()",
+        "config = vllm_config.model_config.hf_config",
+        "quant_config = vllm_config.quant_config",
+        "self.config = config",
+    ]
+    rewriter = _InitRewrite(info, ctx)
+    for stmt in info.init_statements():
+        body += _base_init_statement(stmt, roles, ctx, rewriter)
+    forward, carried = base_forward(roles, ctx, claims)
+    keys = ", ".join(f'"{k}"' for k in carried)
+    body.append(
+        "self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory("
+        f"[{keys}], config.hidden_size)"
+    )
+    init = "\n".join("        " + line for line in _flatten(body))
+    helpers = "\n".join(
+        textwrap.indent(code(h), "    ") for h in _helper_methods(info, forward)
+    )
+    return f"""
+@support_torch_compile
+class {info.name}(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+{init}
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.{roles.vocab_attr}(input_ids)
+
+{forward}
+{helpers}"""
+
+
+def _helper_methods(info: ClassInfo, forward_text: str) -> list[cst.FunctionDef]:
+    """The class's own methods its forward calls (`self.build_alibi(...)`), copied."""
+    methods = {
+        s.name.value: s
+        for s in info.node.body.body
+        if isinstance(s, cst.FunctionDef)
+        and s.name.value not in ("__init__", "forward")
+    }
+    wanted, pending = [], [forward_text]
+    while pending:
+        text = pending.pop()
+        for name, func in methods.items():
+            if name not in wanted and f"self.{name}(" in text:
+                wanted.append(name)
+                pending.append(code(func))
+    return [
+        inference_folded(strip_decorators(methods[n])) for n in methods if n in wanted
+    ]
+
+
+def _base_init_statement(stmt, roles: Roles, ctx: Context, rewriter) -> list[str]:
+    if m.matches(
+        stmt,
+        m.SimpleStatementLine(
+            [m.Expr(m.Call(func=m.Attribute(value=m.Call(func=m.Name("super")))))]
+        ),
+    ):
+        return []
+    if m.matches(
+        stmt,
+        m.SimpleStatementLine(
+            [
+                m.Expr(
+                    m.Call(
+                        func=m.Attribute(value=m.Name("self"), attr=m.Name("post_init"))
+                    )
+                )
+            ]
+        ),
+    ):
+        return []
+    if m.matches(
+        stmt,
+        m.SimpleStatementLine([m.Expr(m.SimpleString() | m.ConcatenatedString())]),
+    ):
+        return []
+    if isinstance(stmt, cst.If):
+        out = [f"if {code(stmt.test)}:"]
+        for inner in stmt.body.body:
+            out += [
+                "    " + line
+                for line in _flatten(_base_init_statement(inner, roles, ctx, rewriter))
+            ]
+        orelse = stmt.orelse
+        if isinstance(orelse, cst.Else):
+            out.append("else:")
+            for inner in orelse.body.body:
+                out += [
+                    "    " + line
+                    for line in _flatten(
+                        _base_init_statement(inner, roles, ctx, rewriter)
+                    )
+                ]
+        elif orelse is not None:
+            raise CodemodError(
+                f"cannot generate: {roles.base.name}.__init__ has an elif chain, not emitted yet"
+            )
+        return out
+    if not m.matches(
+        stmt,
+        m.SimpleStatementLine(
+            [m.Assign(targets=[m.AssignTarget(m.Attribute(value=m.Name("self")))])]
+        ),
+    ):
+        return code(stmt).strip("\n").splitlines()
+    assign = stmt.body[0]
+    attr = assign.targets[0].target.attr.value
+    if attr == "gradient_checkpointing":
+        return []
+    tied = roles.tied_embedding is not None
+    if attr == roles.vocab_attr:
+        call = assign.value
+        cls = dotted_name(call.func) or ""
+        if cls in ("nn.Embedding", "torch.nn.Embedding"):
+            args = [a.value for a in call.args if a.keyword is None][:2]
+            kw = {a.keyword.value: a.value for a in call.args if a.keyword}
+            num = args[0] if args else kw["num_embeddings"]
+            dim = args[1] if len(args) > 1 else kw["embedding_dim"]
+            line = (
+                f"self.{attr} = VocabParallelEmbedding({code(num)}, {code(dim)}, "
+                f'quant_config=quant_config, prefix=f"{{prefix}}.{attr}")'
+            )
+        else:  # the source's embedding class, rebased on VocabParallelEmbedding
+            line = code(stmt.visit(rewriter)).strip()
+        return _rank_guard(line.splitlines(), "first+tied" if tied else "first", tied)
+    if attr == roles.layers_attr:
+        return _make_layers(roles, attr)
+    line = code(stmt.visit(rewriter)).strip()
+    return _rank_guard(
+        line.splitlines(), roles.placement.get(attr, KEEP_EVERY_RANK), tied
+    )
+
+
+def _make_layers(roles: Roles, attr: str) -> list[str]:
+    """`nn.ModuleList([Layer(config, i) for i in range(N)])` -> vLLM's `make_layers`,
+    which builds this rank's layers and `PPMissingLayer`s for the others."""
+    comp = roles.layers_comprehension
+    call = comp.elt
+    var = code(comp.for_in.target)
+
+    class _Index(cst.CSTTransformer):
+        def leave_Name(self, original, updated):
+            if updated.value == var:
+                return cst.parse_expression("extract_layer_index(prefix)")
+            return updated
+
+    args = [code(a.visit(_Index())).rstrip(", ") for a in call.args]
+    args += ["quant_config=quant_config", "prefix=prefix"]
+    return [
+        f"self.start_layer, self.end_layer, self.{attr} = make_layers(",
+        f"    {code(comp.for_in.iter.args[0].value)},",
+        f"    lambda prefix: {code(call.func)}({', '.join(args)}),",
+        f'    prefix=f"{{prefix}}.{attr}",',
+        ")",
+    ]

@@ -1,0 +1,200 @@
+"""Stage 5: every class no pattern claimed whole, copied from its own source with only
+what vLLM requires changed (classes.py); the classes a pattern claimed, in the form the
+pattern emits; the patterns' rewrites of copied classes applied to their source first.
+
+Tensor parallelism for a copied class is transformers' own plan, kept only where two
+simulated ranks compute what the class computes (`fusion_patterns.sharding`); a class
+that stays replicated is a report line, never silent.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dataclasses import dataclass, field
+
+from fusion_patterns.base import CLASS, CONSTRUCTION, REWRITE, Claim
+from fusion_patterns.sharding import prove as prove_sharded
+
+from ..errors import CodemodError
+from . import positions
+from .classes import Context, kept_linears, prefix_classes, rewrite_class
+from .definitions import Definitions
+
+if TYPE_CHECKING:
+    from ..claims import Model
+
+__all__ = ["Copied", "Unfused", "copy_classes", "kept_linears"]
+
+
+@dataclass
+class Unfused:
+    """A part emitted as the source computes it (no pattern proved a fused form)."""
+
+    source_class: str
+    what: str
+    reason: str
+
+    def describe(self) -> str:
+        return " ".join(
+            f"Unfused: {self.what} ({self.source_class}): {self.reason}".split()
+        )
+
+
+@dataclass
+class Copied:
+    """Every class's text but the base model's and the causal LM's, and what the
+    assembly needs to build those two."""
+
+    pieces: dict[str, str]
+    context: Context
+    unfused: list[Unfused] = field(default_factory=list)
+
+
+def _claims(model: Model, cls: str, *kinds: str) -> list[Claim]:
+    return [c for c in model.claims if c.class_name == cls and c.kind in kinds]
+
+
+def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> Copied:
+    roles, classes = model.roles, model.classes
+    styles, tp_notes = _tp_styles(model)
+    whole = {c.class_name: c for c in model.claims if c.kind == CLASS}
+    constructions = {c.class_name: c for c in model.claims if c.kind == CONSTRUCTION}
+    emitted = [
+        n
+        for n in roles.wanted
+        if n not in constructions and not _is_pretrained_helper(n, model)
+    ]
+    rebased = {roles.vocab_class} if roles.vocab_class in classes else set()
+    ctx = Context(
+        classes=classes,
+        constructions=constructions,
+        prefix_classes=prefix_classes(
+            classes, set(emitted), set(whole), roles.attention, roles.built
+        )
+        | rebased,
+        attention={n: s for n, s in roles.attention.items() if n not in whole},
+        styles=styles,
+        kept_linears=model.kept_linears,
+        sharded_attention={
+            n
+            for n in roles.attention
+            if any(s == "colwise" for s in styles.get(n, {}).values())
+        },
+        mask_functions=mask_functions,
+        built=roles.built,
+        attention_name="VllmAttention" if "Attention" in classes else "Attention",
+        merged_heads={c.class_name: c.heads for c in model.claims if c.heads},
+        call_sites={c.class_name: c for c in model.claims if c.kind == CLASS},
+        positions=_need_positions(model),
+    )
+    pieces: dict[str, str] = {}
+    unfused: list[Unfused] = []
+    skip = {roles.causal.name, roles.base.name} | roles.wrapper_names
+    for n in emitted:
+        if n in skip:
+            continue
+        info = classes[n]
+        if n in whole:
+            pieces[n] = whole[n].pattern.emit_class(whole[n], info)
+            continue
+        rebase = "VocabParallelEmbedding" if n in rebased else None
+        rewrites = tuple(_claims(model, n, REWRITE))
+        pieces[n] = rewrite_class(info, ctx, base=rebase, claims=rewrites)
+        if (found := positions.still_used(info, pieces[n])) is not None:
+            raise CodemodError(
+                f"cannot generate: {n} counts positions from the cache's length "
+                f"(`{' '.join(found.split())}`), which vLLM hands no module: under vLLM "
+                "they would restart at 0 on every decode step"
+            )
+        line = _unfused_line(model, n, rewrites)
+        if line is not None:
+            unfused.append(line)
+    return Copied(pieces=pieces, context=ctx, unfused=unfused + tp_notes)
+
+
+def _tp_styles(model: Model) -> tuple[dict[str, dict[str, str]], list[Unfused]]:
+    """{class: {linear: style}}: the claims' own, and transformers' plan where sharding
+    the class over two simulated ranks is proven; a class that fails stays replicated,
+    with a report line."""
+    fixed = {c.class_name: c.styles for c in model.claims if c.styles}
+    styles: dict[str, dict[str, str]] = dict(fixed)
+    notes: list[Unfused] = []
+    for n, plan in model.tp_plan.items():
+        if n in fixed or not plan or model.claimed_whole(n):
+            continue
+        inst = model.first(n)
+        spec = model.roles.attention.get(n)
+        why = (
+            prove_sharded(
+                inst,
+                plan,
+                spec.head_attrs if spec else [],
+                model.call(inst),
+                spec.sinks if spec else None,
+            )
+            if inst is not None
+            else "no instance in the tiny model"
+        )
+        if why is None:
+            styles[n] = plan
+        else:
+            notes.append(Unfused(n, "tensor parallel", f"replicated: {why}"))
+    return styles, notes
+
+
+def _need_positions(model: Model) -> set[str]:
+    """Copied classes that hand vLLM's positions down to a claimed module needing them,
+    directly or through other copied classes (the decoder layer, a wrapper block)."""
+    roles, classes = model.roles, model.classes
+    need = {c.class_name for c in model.claims if c.needs_positions}
+    if not need:
+        return set()
+    out: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for n in roles.wanted:
+            if n in out or n in need or n in (roles.causal.name, roles.base.name):
+                continue
+            info = classes[n]
+            children = {info.constructed_class(a) for a in info.attrs} | {
+                v for (owner, _), v in roles.built.items() if owner == n
+            }
+            if children & (need | out):
+                out.add(n)
+                changed = True
+    return out
+
+
+def _is_pretrained_helper(name: str, model: Model) -> bool:
+    """PreTrainedModel subclasses other than the base model, the causal LM and the
+    wrappers between them (the `XPreTrainedModel` weight-init base) are not emitted."""
+    from transformers import PreTrainedModel
+
+    roles = model.roles
+    if name in (roles.causal.name, roles.base.name) or name in roles.wrapper_names:
+        return False
+    obj = getattr(model.pymodule, name, None)
+    return isinstance(obj, type) and issubclass(obj, PreTrainedModel)
+
+
+def _unfused_line(model: Model, n: str, rewrites: tuple[Claim, ...]) -> Unfused | None:
+    roles = model.roles
+    if n in roles.attention:
+        return Unfused(
+            n,
+            "attention",
+            "kept as the source computes it; " + roles.attention[n].describe(),
+        )
+    if n in roles.layer_classes:
+        if rewrites:
+            return None  # its forward is a proven pattern's rewrite
+        return Unfused(
+            n,
+            "decoder layer",
+            "its forward as the source writes it (residual adds, norms, sublayer calls)",
+        )
+    refused = [r for r in model.refusals if r.source_class == n]
+    why = refused[0].reason if refused else None
+    return Unfused(n, "module", "copied from the source" + (f" ({why})" if why else ""))

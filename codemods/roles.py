@@ -1,0 +1,364 @@
+"""Stage 3: what each class is in the model, found from the tiny instance and the
+source's wiring, never from names.
+
+The causal LM builds the base model; the base model is the module holding the one
+`nn.ModuleList` of as many layers as the config says (modules between it and the causal
+LM are pass-through wrappers: OPT's `OPTModel` around its `OPTDecoder`); the vocabulary
+embedding is the `nn.Embedding` of `vocab_size` rows below it, the head the causal LM's
+`nn.Linear` onto the vocabulary. An attention class calls transformers' attention
+interface, or computes attention itself (a softmax between two matmuls); what vLLM's
+`Attention` must be told about each (heads, scale, window, soft-cap, sinks, ALiBi,
+chunks) is read from what every layer handed it in the probe, and proven.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import libcst as cst
+import libcst.matchers as m
+
+from fusion_patterns.base import ClassInfo, dotted_name, linear_args
+
+from .copying import attention as attention_args
+from .copying import eager_attention
+from .errors import CodemodError
+from .probe import PROBE_TOKENS, Probe, interface_call
+from .source import ModelSource
+
+LINEARS = ("nn.Linear", "torch.nn.Linear")
+
+
+@dataclass
+class Roles:
+    causal: ClassInfo
+    base: ClassInfo
+    base_attr: str  # the causal LM's attribute holding the base model (or its wrapper)
+    chain: list[str]  # attribute path from the causal LM to the base model
+    wrappers: list[tuple[str, object]]  # (inner attribute, wrapper instance)
+    layers_attr: str
+    layer_classes: list[str]
+    layers_comprehension: cst.ListComp  # `[Layer(...) for i in range(n)]`
+    wanted: list[str]  # every class of the source the model may build
+    in_layers: set[str]  # classes instantiated inside a decoder layer
+    # copied attention classes -> what vLLM's Attention is told for each
+    attention: dict[str, attention_args.AttentionSpec]
+    # {class: its module paths below a decoder layer} ("mlp", "mlp.shared_experts"):
+    # the stacked-weight keys of each fusion are scoped to these
+    scopes: dict[str, list[str]]
+    vocab_attr: str  # below the base model
+    vocab_class: str
+    head_attr: str
+    tied_embedding: str | None  # the embedding's path below the causal LM
+    # base model attribute -> "first" | "last" | "every": which pipeline ranks build it
+    placement: dict[str, str]
+    # (class, attr) -> the source class the tiny model built there, for constructions
+    # through a lookup (`CLASSES[config._attn_implementation](config)`)
+    built: dict[tuple[str, str], str] = field(default_factory=dict)
+    # module attributes of the causal LM besides the base model and the head
+    last_rank_attrs: set[str] = field(default_factory=set)
+
+    @property
+    def wrapper_names(self) -> set[str]:
+        return {type(w).__name__ for _, w in self.wrappers}
+
+
+def causal_class(pymodule, classes: dict[str, ClassInfo], source: ModelSource):
+    """The causal LM class of a text decoder the file defines."""
+    from transformers import PreTrainedModel
+
+    try:
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as MAPPING,
+        )
+    except ImportError:  # pragma: no cover
+        MAPPING = {}
+    mapped = set(MAPPING.values())
+    found = []
+    for name in classes:
+        obj = getattr(pymodule, name, None)
+        if not isinstance(obj, type) or not issubclass(obj, PreTrainedModel):
+            continue
+        if not (name.endswith("ForCausalLM") or name.endswith("LMHeadModel")):
+            continue
+        config_cls = getattr(obj, "config_class", None)
+        if config_cls is None or _multimodal(config_cls):
+            continue
+        found.append((name not in mapped, name, obj))
+    if not found:
+        raise CodemodError(
+            f"{source.display}: no text causal LM class (…ForCausalLM / …LMHeadModel) found"
+        )
+    order = list(classes)
+    return sorted(found, key=lambda t: (t[0], order.index(t[1])))[0][2]
+
+
+def _multimodal(config_cls) -> bool:
+    """A config that wraps a text config (a vision-language model's) is not a text decoder."""
+    try:
+        config = config_cls()
+        return config.get_text_config() is not config
+    except Exception:
+        return bool(getattr(config_cls, "sub_configs", None))
+
+
+def find(source: ModelSource, pymodule, causal_cls, probe: Probe) -> Roles:
+    import torch.nn as nn
+    from transformers import PreTrainedModel
+
+    classes = source.classes
+    model, config = probe.model, probe.config
+    causal = classes[causal_cls.__name__]
+    n_layers = getattr(config, "num_hidden_layers", None)
+    lists = [
+        (path, mod)
+        for path, mod in model.named_modules()
+        if isinstance(mod, nn.ModuleList) and len(mod) == n_layers and path.count(".") >= 1
+    ]
+    if len(lists) != 1:
+        raise CodemodError(
+            f"cannot generate: {causal.name} holds {len(lists)} lists of {n_layers} layers, expected one"
+        )
+    layers_path, layer_list = lists[0]
+    chain = layers_path.split(".")[:-1]
+    layers_attr = layers_path.split(".")[-1]
+    base_mod = model.get_submodule(".".join(chain))
+    wrappers = [
+        (chain[i + 1], model.get_submodule(".".join(chain[: i + 1])))
+        for i in range(len(chain) - 1)
+    ]
+    base = classes.get(type(base_mod).__name__)
+    if base is None or not isinstance(base_mod, PreTrainedModel):
+        raise CodemodError(
+            f"cannot generate: the layers' owner {type(base_mod).__name__} is not a model class of {source.display}"
+        )
+    for inner_attr, wrapper in wrappers:
+        if type(wrapper).__name__ not in classes:
+            raise CodemodError(
+                f"cannot generate: {type(wrapper).__name__} is not defined in {source.display}"
+            )
+        extra = [
+            a
+            for a, child in wrapper.named_children()
+            if a != inner_attr and any(True for _ in child.parameters())
+        ]
+        if extra:
+            raise CodemodError(
+                f"cannot generate: {type(wrapper).__name__} holds {extra[0]} besides its {inner_attr}"
+            )
+    layer_classes = list(dict.fromkeys(type(x).__name__ for x in layer_list))
+    wanted = _reachable(causal.name, classes)
+    # classes built indirectly (`CLASSES[config._attn_implementation](config)`): the
+    # tiny model says which
+    for mod in model.modules():
+        name = type(mod).__name__
+        if name in classes and name not in wanted:
+            wanted += [c for c in _reachable(name, classes) if c not in wanted]
+    in_layers = {type(x).__name__ for layer in layer_list for x in layer.modules()}
+    interface = {n for n in wanted if classes[n].forward is not None and interface_call(classes[n].forward)}
+    eager = {n: v for n, v in probe.eager.items() if n in in_layers and n in wanted}
+    _scope_checks(layer_list, interface | set(eager))
+    comp = _layers_comprehension(base, layers_attr)
+
+    specs = {
+        n: attention_args.infer(classes[n], probe.calls_of(n), config, pymodule)
+        for n in wanted
+        if n in interface and n in in_layers
+    }
+    for n, (core, records) in eager.items():
+        specs[n] = eager_attention.infer(
+            classes[n], core, records, config, pymodule, PROBE_TOKENS
+        )
+
+    vocab_attr = _vocab_embedding(base_mod, config)
+    head_attr = _head(causal, model, config)
+    tied_keys = getattr(causal_cls, "_tied_weights_keys", None) or {}
+    tied_embedding = None
+    if isinstance(tied_keys, dict):
+        for k, v in tied_keys.items():
+            if k.split(".")[0] == head_attr:
+                tied_embedding = v.rsplit(".", 1)[0]
+    elif tied_keys:
+        tied_embedding = ".".join([*chain, vocab_attr])
+    placement = _placement(base, base_mod, layers_attr)
+    top = vocab_attr.split(".")[0]
+    if tied_embedding is not None and placement.get(top) == "first":
+        placement[top] = "first+tied"
+    return Roles(
+        causal=causal,
+        base=base,
+        base_attr=chain[0],
+        chain=chain,
+        wrappers=wrappers,
+        layers_attr=layers_attr,
+        layer_classes=layer_classes,
+        layers_comprehension=comp,
+        wanted=wanted,
+        in_layers=in_layers,
+        attention=specs,
+        scopes=_scopes(model, layers_attr, classes, layer_classes),
+        vocab_attr=vocab_attr,
+        vocab_class=type(_get(base_mod, vocab_attr)).__name__,
+        head_attr=head_attr,
+        tied_embedding=tied_embedding,
+        placement=placement,
+        built=_looked_up(probe, classes, wanted),
+        last_rank_attrs={
+            a
+            for a, child in model.named_children()
+            if a not in (chain[0], head_attr) and any(True for _ in child.parameters())
+        },
+    )
+
+
+def _constructed(info: ClassInfo) -> list[str]:
+    if info.init is None:
+        return []
+    return [n for c in m.findall(info.init, m.Call()) if (n := dotted_name(c.func))]
+
+
+def _reachable(start: str, classes: dict[str, ClassInfo]) -> list[str]:
+    seen: list[str] = []
+    stack = [start]
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in classes:
+            continue
+        seen.append(name)
+        info = classes[name]
+        stack += [b for b in info.bases if b in classes]
+        stack += [c for c in _constructed(info) if c in classes]
+    return seen
+
+
+def _scope_checks(layer_list, attention_like: set[str]) -> None:
+    """Every layer attends (a mixer vLLM's attention cannot serve is out of scope)."""
+    import torch.nn as nn
+
+    for i, layer in enumerate(layer_list):
+        if not any(type(x).__name__ in attention_like for x in layer.modules()):
+            raise CodemodError(
+                f"out of scope: layer {i} ({type(layer).__name__}) has no attention-interface "
+                "call (a mixer vLLM's Transformers backend cannot serve either)"
+            )
+        convs = [type(x).__name__ for x in layer.modules() if isinstance(x, nn.Conv1d)]
+        if convs:
+            raise CodemodError(
+                f"out of scope: layer {i} holds a convolution ({convs[0]}), a mixer that is not attention"
+            )
+
+
+def _layers_comprehension(base: ClassInfo, layers_attr: str) -> cst.ListComp:
+    """`nn.ModuleList([Layer(...) for i in range(n)])`, the shape vLLM's `make_layers`
+    takes (a hybrid (Mamba) model says so here, after the scope checks)."""
+    value = base.attrs.get(layers_attr)
+    comp = m.findall(value, m.ListComp()) if value is not None else []
+    if not comp or not isinstance(comp[0].elt, cst.Call):
+        raise CodemodError(
+            f"cannot generate: {base.name}.{layers_attr} is not built as `nn.ModuleList([Layer(...) for i in range(n)])`"
+        )
+    if not m.matches(comp[0].for_in.iter, m.Call(func=m.Name("range"), args=[m.Arg()])):
+        raise CodemodError(
+            f"cannot generate: {base.name}.{layers_attr} is not built over range(<layers>)"
+        )
+    return comp[0]
+
+
+def _scopes(model, layers_attr: str, classes, layer_classes) -> dict[str, list[str]]:
+    """{class: its paths below a decoder layer}: where the tiny model built it, and
+    wherever a branch of a constructor can build it (a real checkpoint's dense layers
+    where the tiny config has only MoE ones)."""
+    out: dict[str, list[str]] = {}
+
+    def add(cls: str, scope: str) -> None:
+        if scope and scope not in out.setdefault(cls, []):
+            out[cls].append(scope)
+
+    for path, mod in model.named_modules():
+        parts = path.split(".")
+        if layers_attr in parts:
+            add(type(mod).__name__, ".".join(parts[parts.index(layers_attr) + 2 :]))
+
+    def walk(cls: str, prefix: str, depth: int) -> None:
+        info = classes.get(cls)
+        if info is None or depth > 3:
+            return
+        for attr in info.attrs:
+            for child in info.constructed_classes(attr):
+                if child in classes:
+                    add(child, prefix + attr)
+                    walk(child, f"{prefix}{attr}.", depth + 1)
+
+    for layer in layer_classes:
+        walk(layer, "", 0)
+    return {k: v for k, v in out.items() if v}
+
+
+def _looked_up(probe: Probe, classes, wanted: list[str]) -> dict[tuple[str, str], str]:
+    """(class, attr) -> the source class the tiny model built at an attribute its
+    `__init__` does not construct by name."""
+    out = {}
+    for n in wanted:
+        inst = probe.first(n)
+        if inst is None:
+            continue
+        for attr, child in inst.named_children():
+            if type(child).__name__ in classes and classes[n].constructed_class(attr) is None:
+                out[(n, attr)] = type(child).__name__
+    return out
+
+
+def _get(module, path: str):
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _vocab_embedding(base_mod, config) -> str:
+    """The vocabulary embedding's path below the base model (a direct child, or inside
+    an embeddings module)."""
+    import torch.nn as nn
+
+    for attr, child in base_mod.named_modules():
+        if isinstance(child, nn.Embedding) and child.num_embeddings == config.vocab_size:
+            return attr
+    raise CodemodError(
+        f"cannot generate: {type(base_mod).__name__} holds no vocabulary embedding"
+    )
+
+
+def _head(causal: ClassInfo, model, config) -> str:
+    import torch.nn as nn
+
+    for attr, child in model.named_children():
+        if isinstance(child, nn.Linear) and child.out_features == config.vocab_size:
+            if causal.constructed_class(attr) in LINEARS:
+                return attr
+    raise CodemodError(f"cannot generate: {causal.name} builds no nn.Linear vocabulary head")
+
+
+def _placement(base: ClassInfo, base_mod, layers_attr: str) -> dict[str, str]:
+    """Which pipeline ranks build each module of the base model: those with parameters
+    before the layers on the first, after them on the last; parameter-free ones (rotary
+    tables, dropout) everywhere."""
+    order = list(base.attrs)
+    if layers_attr not in order:
+        return {}
+    at = order.index(layers_attr)
+    out = {}
+    for i, attr in enumerate(order):
+        child = getattr(base_mod, attr, None)
+        if child is None or not hasattr(child, "parameters"):
+            continue
+        if not any(True for _ in child.parameters()):
+            out[attr] = "every"
+        elif i < at:
+            out[attr] = "first"
+        elif i > at:
+            out[attr] = "last"
+    return out
+
+
+def head_args(roles: Roles):
+    """(hidden size, vocabulary size, bias) of the head's `nn.Linear(...)`."""
+    return linear_args(roles.causal.attrs[roles.head_attr])

@@ -1,0 +1,25 @@
+"""The fusion patterns, in the order the claims stage runs them (as vLLM's `FUSERS`).
+
+Order matters where one pattern reads another's claims: norms first (the attention's
+head norms, the residual fold and the latent attention build on proven norms), then the
+blocks inside a layer (a MoE block before a gated MLP, so a router is never taken for a
+gate), then the attention whole (latent, then vLLM's own layout) before the merge of a
+copied attention's projections, and the residual fold last.
+"""
+
+from .glu import GLU
+from .mla import LatentAttention
+from .moe import MoE
+from .qkv import NativeAttention, QKVMerge
+from .residual_norm import ResidualFold
+from .rms_norm import RMSNormPattern
+
+PATTERNS = (
+    RMSNormPattern(),
+    MoE(),
+    GLU(),
+    LatentAttention(),
+    NativeAttention(),
+    QKVMerge(),
+    ResidualFold(),
+)
