@@ -26,7 +26,7 @@ class Plan:
     @property
     def layout(self) -> str:
         """"native" when every part is claimed (vLLM's own layout), else "faithful"."""
-        return "faithful" if self.unfused else "native"
+        return "faithful" if any(not u.kept for u in self.unfused) else "native"
 
     def report(self) -> list[str]:
         return (

@@ -82,13 +82,30 @@ def match(info: ClassInfo) -> GLUSpec | Refusal | None:
     found = m.extractall(info.forward, GLU_CALL)
     if not found:
         try:
-            return _packed(info)
+            packed = _packed(info)
         except PatternRefused as why:
             return Refusal(NAME, info.name, "packed gate/up projection", str(why))
+        if packed is None and _mlp_like(info):
+            # an MLP the reader would take for gated: say why it is not fused
+            return Refusal(
+                NAME,
+                info.name,
+                "gate/up projections",
+                "forward has no `down(act(gate(x)) * up(x))` product",
+            )
+        return packed
     try:
         return _extract(info, found[0])
     except PatternRefused as why:
         return Refusal(NAME, info.name, "gate/up projections", str(why))
+
+
+def _mlp_like(info: ClassInfo) -> bool:
+    """Two linears or more and an ACT2FN activation: an MLP."""
+    linears = [a for a in info.attrs if is_linear(info, a)]
+    return len(linears) >= 2 and any(
+        m.matches(v, ACT2FN_LOOKUP) for v in info.attrs.values()
+    )
 
 
 def _extract(info: ClassInfo, cap: dict) -> GLUSpec:

@@ -9,8 +9,7 @@
 # ======================================================================================
 # Fusion report:
 #   Fused: gate_proj + up_proj (AfmoeMLP) -> gate_up_proj (MergedColumnParallelLinear)
-#   Fused: gate_proj + up_proj (AfmoeMLP) -> gate_up_proj (MergedColumnParallelLinear)
-#   Unfused: native layout (AfmoeForCausalLM): Refused: q/k/v projections (AfmoeAttention): no single output projection after attention; after Refused: AfmoeRMSNorm (AfmoeRMSNorm): the weight is not applied as a multiply after the cast back (no unfused attention form is emitted yet)
+#   Fused: gate_proj + up_proj (AfmoeMLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
 #   Unfused: module (AfmoeRotaryEmbedding): copied from the source
 #   Unfused: module (AfmoeRMSNorm): copied from the source (the weight is not applied as a multiply after the cast back)
 #   Unfused: decoder layer (AfmoeDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
@@ -22,6 +21,7 @@
 #   Refused: AfmoeRMSNorm (AfmoeRMSNorm): the weight is not applied as a multiply after the cast back
 #   Refused: router + experts (AfmoeSparseMoeBlock): the router logits are not one linear of self.<weight>
 #   Refused: q/k/v projections (AfmoeAttention): no single output projection after attention
+#   Refused: residual add + norm (AfmoeDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of AfmoeForCausalLM, generated from transformers/models/afmoe/modeling_afmoe.py."""
 
@@ -50,7 +50,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -657,9 +661,13 @@ class AfmoeModel(nn.Module):
         return (hidden_states)[0]
 
 
-class AfmoeForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class AfmoeForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper(

@@ -6,7 +6,6 @@
 # source sha256: 686e5d338202c9df862bf9eaa37a0a563a83f90fc7b7e905837367d0d85ed550
 # versions:      transformers 5.19.0, vllm 0.32.0, vllm-fusion-codemods 0.1.0
 # architecture:  GeneratedAXK1ForCausalLM -> AXK1ForCausalLM
-# environment:   VLLM_MLA_DISABLE=1 (vLLM must run it so; the model refuses to start otherwise)
 # ======================================================================================
 # Fusion report:
 #   Fused: norm (AXK1Model) -> norm (RMSNorm)
@@ -16,24 +15,21 @@
 #   Fused: q_a_layernorm (AXK1Attention) -> q_a_layernorm (RMSNorm)
 #   Fused: kv_a_layernorm (AXK1Attention) -> kv_a_layernorm (RMSNorm)
 #   Fused: gate_proj + up_proj (AXK1MLP) -> gate_up_proj (MergedColumnParallelLinear)
-#   Fused: gate_proj + up_proj (AXK1MLP) -> gate_up_proj (MergedColumnParallelLinear)
-#   Unfused: native layout (AXK1ForCausalLM): Refused: router + experts (AXK1MoE): the block also builds self.shared_experts, not a dense MLP added to the output (no unfused MoE form is emitted yet)
-#   Unfused: module (AXK1RotaryEmbedding): copied from the source
-#   Unfused: decoder layer (AXK1DecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
+#   Fused: gate_proj + up_proj (AXK1MLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
+#   Fused: q_a_proj + kv_a_proj_with_mqa (AXK1Attention) -> fused_qkv_a_proj (MergedColumnParallelLinear)
+#   Fused: kv_a_proj_with_mqa + kv_a_layernorm + kv_b_proj + rope + attention (AXK1Attention) -> mla_attn (MultiHeadLatentAttentionWrapper, latent KV cache)
+#   Fused: residual add + input_layernorm (AXK1DecoderLayer) -> input_layernorm (RMSNorm(x, residual))
+#   Fused: residual add + post_attention_layernorm (AXK1DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (AXK1MoE): copied from the source (the block also builds self.shared_experts, not a dense MLP added to the output)
 #   Unfused: module (AXK1TopkRouter): copied from the source
 #   Unfused: module (AXK1Experts): copied from the source
-#   Unfused: attention (AXK1Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
-#   Unfused: latent attention (AXK1ForCausalLM): its attention is emitted from the source on vLLM's standard attention (expanded keys and values), so vLLM's MLA path must be off: VLLM_MLA_DISABLE=1
 #   Unfused: torch.compile (AXK1Model): off: AXK1Experts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (AXK1MoE): the block also builds self.shared_experts, not a dense MLP added to the output
-#   Refused: q/k/v projections (AXK1Attention): `.cat(...)` between a projection and attention
 # ======================================================================================
 """Native vLLM implementation of AXK1ForCausalLM, generated from transformers/models/axk1/modeling_axk1.py."""
 
 import re
 from collections.abc import Iterable
-from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -43,22 +39,28 @@ from transformers.activations import ACT2FN
 from transformers.core_model_loading import WeightRenaming
 
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mla import MLAModules, MultiHeadLatentAttentionWrapper
 from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -70,78 +72,8 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from collections.abc import Callable
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_rope_utils import dynamic_rope_update
 import math
 import torch.nn.functional as F
-
-
-def vllm_attention(
-    attn: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-) -> torch.Tensor:
-    """transformers' attention-interface layout around vLLM's paged attention:
-    [1, heads, tokens, head size] in, [1, tokens, heads, head size] out (vLLM takes and
-    returns [tokens, heads * head size])."""
-    tokens, size_v = query.shape[2], value.shape[-1]
-    if (
-        size_v < query.shape[-1]
-    ):  # a smaller value head: padded, as vLLM stores one size
-        value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
-    out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
-    return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
-
-
-class AXK1RotaryEmbedding(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-
-        self.config = config
-
-        self.rope_type = self.config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init_fn(self.config)
-
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
-
-    @staticmethod
-    def compute_default_rope_parameters(config, **kwargs) -> tuple[torch.Tensor, float]:
-        """
-        Computes the inverse frequencies according to the original RoPE implementation
-        Args:
-            config ([`~transformers.PreTrainedConfig`]):
-                The model configuration.
-        Returns:
-            Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
-            post-processing scaling factor applied to the computed cos/sin (unused in this type of RoPE).
-        """
-        base = config.rope_parameters["rope_theta"]
-        dim = (
-            getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads
-        )
-
-        attention_factor = 1.0  # Unused in this type of RoPE
-        # Compute the inverse frequencies
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq, attention_factor
-
-    @torch.no_grad()
-    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
-    def forward(self, x, position_ids):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(
-            device=x.device, dtype=torch.float
-        )
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 class AXK1MLP(nn.Module):
@@ -333,94 +265,34 @@ def yarn_apply_mscale(rope_parameters, scaling):
     return scaling
 
 
-def rotate_half(x):
-    """Rotates half the hidden dims of the input."""
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
+class _FlatRope(nn.Module):
+    """Applies `rope` to [tokens, heads * dim] views of q and k, then restores their shapes."""
 
+    def __init__(self, rope: nn.Module) -> None:
+        super().__init__()
+        self.rope = rope
 
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Applies Rotary Position Embedding to the query and key tensors.
-
-    Args:
-        q (`torch.Tensor`): The query tensor.
-        k (`torch.Tensor`): The key tensor.
-        cos (`torch.Tensor`): The cosine part of the rotary embedding.
-        sin (`torch.Tensor`): The sine part of the rotary embedding.
-        unsqueeze_dim (`int`, *optional*, defaults to 1):
-            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
-            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
-            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
-            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
-            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
-            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
-    Returns:
-        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
-    """
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
-    return q_embed, k_embed
-
-
-def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-    r"""
-    Applies interleaved Rotary Position Embedding to the query and key tensors.
-
-    DeepSeek lays the rotary dimensions out in interleaved pairs `(x0, x1), (x2, x3), ...`, each rotated by a
-    single frequency. We compute that rotation directly on the even/odd slices instead of de-interleaving with a
-    `view`/`transpose`/`reshape`; the output is bit-identical to the de-interleaved `rotate_half` formulation while
-    avoiding the extra contiguous copy.
-
-    Args:
-        q (`torch.Tensor`): The query tensor.
-        k (`torch.Tensor`): The key tensor.
-        cos (`torch.Tensor`): The cosine part of the rotary embedding.
-        sin (`torch.Tensor`): The sine part of the rotary embedding.
-        position_ids (`torch.Tensor`):
-            The position indices of the tokens corresponding to the query and key tensors. For example, this can be
-            used to pass offsetted position ids when working with a KV-cache.
-        unsqueeze_dim (`int`, *optional*, defaults to 1):
-            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
-            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
-            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
-            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
-            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
-            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
-    Returns:
-        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
-    """
-    # `cos`/`sin` are `cat(freqs, freqs)`; the first half holds the per-pair angle.
-    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim)
-    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim)
-
-    q1, q2 = q[..., 0::2], q[..., 1::2]
-    k1, k2 = k[..., 0::2], k[..., 1::2]
-
-    q_embed = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
-    k_embed = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
-    return q_embed, k_embed
+    def forward(self, positions, q, k):
+        q_out, k_out = self.rope(
+            positions, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1)
+        )
+        return q_out.view(q.shape), k_out.view(k.shape)
 
 
 class AXK1Attention(nn.Module):
-    """Multi-headed Latent Attention (MLA) from Deepseek V3, always with a Q-LoRA rank."""
-
     def __init__(
         self,
         config,
-        layer_idx: int,
+        layer_idx,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ):
+    ) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.attention_dropout = config.attention_dropout
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
-
         self.q_lora_rank = config.q_lora_rank
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.kv_lora_rank = config.kv_lora_rank
@@ -430,154 +302,91 @@ class AXK1Attention(nn.Module):
         self.num_key_value_groups = (
             config.num_attention_heads // config.num_key_value_heads
         )
-
         self.is_causal = True
-        self.q_a_proj = ReplicatedLinear(
-            self.hidden_size,
-            self.q_lora_rank,
-            bias=config.attention_bias,
-            quant_config=quant_config,
-            prefix=f"{prefix}.q_a_proj",
-            return_bias=False,
+        self.scaling = yarn_apply_mscale(
+            config.rope_parameters, self.qk_head_dim ** (-0.5)
         )
-        self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=1e-6)
-        self.q_b_proj = ReplicatedLinear(
-            self.q_lora_rank,
-            self.num_heads * self.qk_head_dim,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.q_b_proj",
-            return_bias=False,
-        )
-
-        self.kv_a_proj_with_mqa = ReplicatedLinear(
-            self.hidden_size,
-            config.kv_lora_rank + config.qk_rope_head_dim,
-            bias=config.attention_bias,
-            quant_config=quant_config,
-            prefix=f"{prefix}.kv_a_proj_with_mqa",
-            return_bias=False,
-        )
+        if True:
+            # Fused: q_a_proj + kv_a_proj_with_mqa -> fused_qkv_a_proj (one replicated GEMM)
+            self.fused_qkv_a_proj = MergedColumnParallelLinear(
+                self.hidden_size,
+                [self.q_lora_rank, config.kv_lora_rank + config.qk_rope_head_dim],
+                bias=config.attention_bias,
+                disable_tp=True,
+                quant_config=quant_config,
+                prefix=f"{prefix}.fused_qkv_a_proj",
+            )
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=1e-6)
+            self.q_b_proj = ColumnParallelLinear(
+                self.q_lora_rank,
+                self.num_heads * self.qk_head_dim,
+                bias=False,
+                quant_config=quant_config,
+                prefix=f"{prefix}.q_b_proj",
+            )
+            self.kv_a_proj_with_mqa = None
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=1e-6)
-        self.kv_b_proj = ReplicatedLinear(
+        self.kv_b_proj = ColumnParallelLinear(
             config.kv_lora_rank,
             self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
             bias=False,
             quant_config=quant_config,
             prefix=f"{prefix}.kv_b_proj",
-            return_bias=False,
         )
-
-        self.o_proj = ReplicatedLinear(
+        self.o_proj = RowParallelLinear(
             self.num_heads * self.v_head_dim,
             self.hidden_size,
             bias=config.attention_bias,
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
-            return_bias=False,
         )
-
-        self.scaling = yarn_apply_mscale(
-            config.rope_parameters, self.qk_head_dim ** (-0.5)
+        if config.rope_parameters.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"AXK1Attention: rope type {config.rope_parameters['rope_type']!r} for latent attention is not generated yet"
+            )
+        self.rotary_emb = _FlatRope(
+            get_rope(
+                self.qk_rope_head_dim,
+                max_position=config.max_position_embeddings,
+                rope_parameters=config.rope_parameters,
+                is_neox_style=not self.config.rope_interleave,
+            )
         )
-        # vLLM's paged attention serves this module's attention-interface call
-        cache_config = get_current_vllm_config().cache_config
-        sliding_window = None
-        if (
-            sliding_window is None
-            and cache_config is not None
-            and cache_config.sliding_window
-        ):
-            # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = shallow_copy(cache_config)
-            cache_config.sliding_window = None
-        self.attn = Attention(
-            self.num_heads,
-            self.qk_head_dim,
+        self.mla_attn = MultiHeadLatentAttentionWrapper(
+            self.hidden_size,
+            self.num_heads // get_tensor_model_parallel_world_size(),
             self.scaling,
-            num_kv_heads=config.num_key_value_heads,
-            cache_config=cache_config,
-            quant_config=quant_config,
-            per_layer_sliding_window=sliding_window,
-            prefix=f"{prefix}.attn",
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+            self.q_lora_rank if True else None,
+            self.kv_lora_rank,
+            MLAModules(
+                kv_a_layernorm=self.kv_a_layernorm,
+                kv_b_proj=self.kv_b_proj,
+                rotary_emb=self.rotary_emb,
+                o_proj=self.o_proj,
+                fused_qkv_a_proj=self.fused_qkv_a_proj,
+                kv_a_proj_with_mqa=self.kv_a_proj_with_mqa,
+                q_a_layernorm=self.q_a_layernorm,
+                q_b_proj=self.q_b_proj,
+                q_proj=None,
+                indexer=None,
+                is_sparse=False,
+                topk_indices_buffer=None,
+            ),
+            get_current_vllm_config().cache_config,
+            quant_config,
+            prefix,
         )
-
-    def expand_kv(
-        self, kv_nope: torch.Tensor, k_rot: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expands the compressed latents into key and value states. Args:
-            - kv_nope: key + value without positional encoding, shape [batch_size, 1, seqlen, self.kv_lora_rank]
-            - k_rot: shared key with positional encoding, shape [batch_size, 1, seqlen, self.qk_rope_head_dim]
-        Returns the key and value states, two tensors of shape [batch, num_heads, seq, (k or v)_head_dim].
-        """
-        batch_size, _, seq_length, _ = kv_nope.shape
-        key_shape = (
-            batch_size,
-            seq_length,
-            -1,
-            self.qk_nope_head_dim + self.v_head_dim,
-        )
-
-        kv_nope = self.kv_b_proj(kv_nope).view(key_shape).transpose(1, 2)
-        k_nope, value_states = torch.split(
-            kv_nope, [self.qk_nope_head_dim, self.v_head_dim], dim=-1
-        )
-        k_rot = k_rot.expand(
-            -1, k_nope.shape[1], -1, -1
-        )  # does not affect the underlying storage
-
-        # Concatenate k_nope and k_rot in a new tensor
-        key_states = kv_nope.new_empty(
-            *kv_nope.shape[:-1], self.qk_nope_head_dim + self.qk_rope_head_dim
-        )
-        key_states[..., : self.qk_nope_head_dim].copy_(k_nope)
-        key_states[..., self.qk_nope_head_dim :].copy_(k_rot)
-        return key_states, value_states
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        past_key_values=None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
-        batch_size, seq_length = hidden_states.shape[:-1]
-        query_shape = (batch_size, seq_length, -1, self.qk_head_dim)
-
-        # No branching on q_lora_rank being None: unlike Deepseek V3, it is always an int, so we always use Q-LoRA
-        q_states = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        q_states = q_states.view(query_shape).transpose(1, 2)
-        q_pass, q_rot = torch.split(
-            q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
-        )
-
-        compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
-        kv_nope, k_rot = torch.split(
-            compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
-        )
-        kv_nope = self.kv_a_layernorm(kv_nope)
-        # Both latents are viewed as single-head, 4D tensors so all cache layers handle them correctly
-        kv_nope = kv_nope.view(batch_size, 1, seq_length, self.kv_lora_rank)
-        k_rot = k_rot.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
-
-        cos, sin = position_embeddings
-        if (
-            self.config.rope_interleave
-        ):  # CODEPATH: support using interleaved weights for efficiency
-            q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
-        else:
-            q_rot, k_rot = apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
-
-        query_states = torch.cat((q_pass, q_rot), dim=-1)
-
-        key_states, value_states = self.expand_kv(kv_nope, k_rot)
-
-        attn_output = vllm_attention(self.attn, query_states, key_states, value_states)
-
-        attn_output = attn_output.reshape(batch_size, seq_length, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
-        return attn_output, None
+        self, positions: torch.Tensor, hidden_states: torch.Tensor
+    ) -> torch.Tensor:
+        # vLLM's layout: one row per token
+        shape = hidden_states.shape
+        out = self.mla_attn(positions, hidden_states.reshape(-1, shape[-1]))
+        return out.view(*shape[:-1], -1)
 
 
 class AXK1DecoderLayer(nn.Module):
@@ -620,26 +429,21 @@ class AXK1DecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+    ):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            # the previous layer's residual add, fused into this norm
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         # Self Attention
-        hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-        hidden_states = residual + hidden_states
-
-        # Fully Connected
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
+        return hidden_states, residual
 
 
 class AXK1Model(nn.Module):
@@ -675,9 +479,8 @@ class AXK1Model(nn.Module):
             self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         else:
             self.norm = PPMissingLayer()
-        self.rotary_emb = AXK1RotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "residual"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -693,32 +496,39 @@ class AXK1Model(nn.Module):
         # vLLM runs every request's tokens as one sequence: a batch of one
         input_ids = input_ids[None] if input_ids is not None else None
         inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
-        position_ids = positions[None]
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
             hidden_states = inputs_embeds
-        # create position embeddings to be shared across the decoder layers
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        if get_pp_group().is_first_rank:
+            residual = None
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states = decoder_layer(
-                hidden_states,
-                position_embeddings=position_embeddings,
-                attention_mask=None,
-                position_ids=position_ids,
+            hidden_states, residual = decoder_layer(
+                hidden_states, residual=residual, positions=positions
             )
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
-        hidden_states = self.norm(hidden_states)
+            return IntermediateTensors(
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
+            )
+        # the last layer's residual add, fused into the final norm
+        hidden_states, _ = self.norm(hidden_states, residual)
         return (hidden_states)[0]
 
 
-class AXK1ForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class AXK1ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    packed_modules_mapping = {
+        "gate_up_proj": ["gate_proj", "up_proj"],
+        "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"],
+    }
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper(
@@ -730,6 +540,8 @@ class AXK1ForCausalLM(nn.Module, SupportsPP, SupportsQuant):
             ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
             ".mlp.shared_experts.gate_proj.": (".mlp.shared_experts.gate_up_proj.", 0),
             ".mlp.shared_experts.up_proj.": (".mlp.shared_experts.gate_up_proj.", 1),
+            ".self_attn.q_a_proj.": (".self_attn.fused_qkv_a_proj.", 0),
+            ".self_attn.kv_a_proj_with_mqa.": (".self_attn.fused_qkv_a_proj.", 1),
         },
     )
 
@@ -739,11 +551,6 @@ class AXK1ForCausalLM(nn.Module, SupportsPP, SupportsQuant):
         quant_config = vllm_config.quant_config
         self.config = config
         self.quant_config = quant_config
-        if vllm_config.model_config.use_mla:
-            raise ValueError(
-                "AXK1ForCausalLM is generated with vLLM's standard attention (expanded keys "
-                "and values), not MLA: run vLLM with VLLM_MLA_DISABLE=1"
-            )
         self.model = AXK1Model(
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model")
         )
@@ -792,7 +599,9 @@ class AXK1ForCausalLM(nn.Module, SupportsPP, SupportsQuant):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
         stacked: set[str] = set()
-        weights = self._stacked_experts(self.hf_to_vllm_mapper.apply(weights), stacked)
+        weights = self._stacked_experts(
+            self._built_merges_mapper(self.hf_to_vllm_mapper).apply(weights), stacked
+        )
         return loader.load_weights(weights) | stacked
 
     # per-expert checkpoint tensors -> the stacked expert parameters the source holds
@@ -850,3 +659,12 @@ class AXK1ForCausalLM(nn.Module, SupportsPP, SupportsQuant):
                 continue
             return isinstance(module, PPMissingLayer)
         return False
+
+    def _built_merges_mapper(self, mapper: WeightsMapper) -> WeightsMapper:
+        built = {name.rsplit(".", 1)[-1] for name, _ in self.named_modules()}
+        stacked = {
+            old: (new, shard)
+            for old, (new, shard) in mapper.orig_to_new_stacked.items()
+            if new.strip(".").rsplit(".", 1)[-1] in built
+        }
+        return WeightsMapper(**{**vars(mapper), "orig_to_new_stacked": stacked})

@@ -8,12 +8,12 @@
 # architecture:  GeneratedBioGptForCausalLM -> BioGptForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (BioGptForCausalLM): Refused: q/k/v projections (BioGptAttention): key_states is assigned twice (no unfused attention form is emitted yet)
 #   Unfused: decoder layer (BioGptDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (BioGptAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: module (BioGptLearnedPositionalEmbedding): copied from the source
-#   Unfused: module (BioGptScaledWordEmbedding): copied from the source
+#   Kept: embedding (BioGptScaledWordEmbedding): copied from the source onto VocabParallelEmbedding (sharded over the vocabulary as vLLM's own)
 #   Refused: q/k/v projections (BioGptAttention): key_states is assigned twice
+#   Refused: residual add + norm (BioGptDecoderLayer): self.self_attn_layer_norm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of BioGptForCausalLM, generated from transformers/models/biogpt/modeling_biogpt.py."""
 
@@ -38,7 +38,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -447,9 +451,13 @@ class BioGptModel(nn.Module):
         return (hidden_states)[0]
 
 
-class BioGptForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class BioGptForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "output_projection": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

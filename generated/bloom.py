@@ -8,11 +8,11 @@
 # architecture:  GeneratedBloomForCausalLM -> BloomForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (BloomForCausalLM): transformers/models/bloom/modeling_bloom.py: no decoder layer (a class building an attention class) found (is this a transformers causal LM modeling file?)
 #   Unfused: decoder layer (BloomBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (BloomMLP): copied from the source
 #   Unfused: module (BloomGelu): copied from the source
 #   Unfused: attention (BloomAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5, alibi=alibi_slopes(self.num_heads))
+#   Refused: residual add + norm (BloomBlock): forward does not end with `return <hidden states>`
 # ======================================================================================
 """Native vLLM implementation of BloomForCausalLM, generated from transformers/models/bloom/modeling_bloom.py."""
 
@@ -35,7 +35,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -571,7 +575,6 @@ class BloomModel(nn.Module):
         # vLLM runs every request's tokens as one sequence: a batch of one
         input_ids = input_ids[None] if input_ids is not None else None
         inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
-        position_ids = positions[None]
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
@@ -614,9 +617,13 @@ class BloomModel(nn.Module):
         return build_alibi_tensor(attention_mask, num_heads, dtype)
 
 
-class BloomForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class BloomForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {
+        "word_embeddings": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

@@ -8,10 +8,11 @@
 # architecture:  GeneratedCodeGenForCausalLM -> CodeGenForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (CodeGenForCausalLM): transformers/models/codegen/modeling_codegen.py: no decoder layer (a class building an attention class) found (is this a transformers causal LM modeling file?)
 #   Unfused: decoder layer (CodeGenBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Unfused: module (CodeGenMLP): copied from the source
+#   Unfused: module (CodeGenMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (CodeGenAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5)
+#   Refused: gate/up projections (CodeGenMLP): forward has no `down(act(gate(x)) * up(x))` product
+#   Refused: residual add + norm (CodeGenBlock): forward does not end with `return <hidden states>`
 # ======================================================================================
 """Native vLLM implementation of CodeGenForCausalLM, generated from transformers/models/codegen/modeling_codegen.py."""
 
@@ -36,7 +37,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -442,9 +447,10 @@ class CodeGenModel(nn.Module):
         return (hidden_states)[0]
 
 
-class CodeGenForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class CodeGenForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {"wte": "input_embeddings", "lm_head": "output_embeddings"}
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

@@ -8,23 +8,24 @@
 # architecture:  GeneratedCohereForCausalLM -> CohereForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Fused: q_proj + k_proj + v_proj (CohereAttention) -> qkv_proj (QKVParallelLinear)
 #   Fused: gate_proj + up_proj (CohereMLP) -> gate_up_proj (MergedColumnParallelLinear)
-#   Kept: logits scaled by `(self.logit_scale)`
+#   Fused: q_proj + k_proj + v_proj (CohereAttention) -> qkv_proj (QKVParallelLinear)
+#   Unfused: module (CohereLayerNorm): copied from the source (the weight is not applied as a multiply after the cast back)
+#   Unfused: decoder layer (CohereDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Refused: CohereLayerNorm (CohereLayerNorm): the weight is not applied as a multiply after the cast back
 #   Refused: residual add + norm (CohereDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of CohereForCausalLM, generated from transformers/models/cohere/modeling_cohere.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
 from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import CacheConfig, VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
@@ -56,12 +57,9 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-# Copied from transformers/models/cohere/modeling_cohere.py: not proven equal to a vLLM norm (see the report)
-
 
 class CohereLayerNorm(nn.Module):
     def __init__(self, hidden_size=None, eps=1e-5, bias=False):
-        """The hidden size can be a tuple or an int. The tuple is used for QKNorm to normalize across head_dim"""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
@@ -114,7 +112,6 @@ class CohereAttention(nn.Module):
         self,
         config,
         layer_idx=None,
-        cache_config: CacheConfig | None = None,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
     ) -> None:
@@ -177,6 +174,7 @@ class CohereAttention(nn.Module):
             is_neox_style=False,
             rope_parameters=config.rope_parameters,
         )
+        cache_config = get_current_vllm_config().cache_config
         sliding_window = None
         if (
             sliding_window is None
@@ -184,7 +182,7 @@ class CohereAttention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.num_heads,
@@ -200,6 +198,9 @@ class CohereAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor
     ) -> torch.Tensor:
+        # vLLM's layout: one row per token
+        shape = hidden_states.shape
+        hidden_states = hidden_states.reshape(-1, shape[-1])
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # q/k norms per head, as the source applies them
@@ -208,25 +209,22 @@ class CohereAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         attn_output = self.attn(q, k, v)
         output, _ = self.o_proj(attn_output)
-        return output
+        return output.view(*shape[:-1], -1)
 
 
 class CohereDecoderLayer(nn.Module):
-    # Residual adds not fused into the norms (see the report): the source's own layout.
     def __init__(
         self,
         config,
-        cache_config: CacheConfig | None = None,
+        layer_idx: int,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ) -> None:
+    ):
         super().__init__()
-        layer_idx = extract_layer_index(prefix)
         self.hidden_size = config.hidden_size
         self.self_attn = CohereAttention(
             config=config,
             layer_idx=layer_idx,
-            cache_config=cache_config,
             quant_config=quant_config,
             prefix=f"{prefix}.self_attn",
         )
@@ -236,7 +234,15 @@ class CohereDecoderLayer(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        positions: torch.Tensor | None = None,
+        **kwargs,
     ) -> torch.Tensor:
         """
         Args:
@@ -258,9 +264,7 @@ class CohereDecoderLayer(nn.Module):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
 
-        hidden_states_attention = self.self_attn(
-            positions=positions, hidden_states=hidden_states
-        )
+        hidden_states_attention = self.self_attn(positions, hidden_states)
 
         hidden_states_mlp = self.mlp(hidden_states)
         hidden_states = residual + hidden_states_attention + hidden_states_mlp
@@ -269,23 +273,13 @@ class CohereDecoderLayer(nn.Module):
 
 @support_torch_compile
 class CohereModel(nn.Module):
-    # checkpoint name -> (merged parameter, shard id), from the fusion records
-    hf_to_vllm_mapper = WeightsMapper(
-        orig_to_new_stacked={
-            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
-            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
-            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
-            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
-            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
-        }
-    )
-
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
-        cache_config = vllm_config.cache_config
         quant_config = vllm_config.quant_config
         self.config = config
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
         if get_pp_group().is_first_rank or (
             config.tie_word_embeddings and get_pp_group().is_last_rank
         ):
@@ -301,7 +295,7 @@ class CohereModel(nn.Module):
             config.num_hidden_layers,
             lambda prefix: CohereDecoderLayer(
                 config,
-                cache_config=cache_config,
+                extract_layer_index(prefix),
                 quant_config=quant_config,
                 prefix=prefix,
             ),
@@ -327,37 +321,45 @@ class CohereModel(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        if get_pp_group().is_first_rank:
-            if inputs_embeds is not None:
-                hidden_states = inputs_embeds
-            else:
-                hidden_states = self.embed_input_ids(input_ids)
-            pass
-        else:
+        # vLLM runs every request's tokens as one sequence: a batch of one
+        input_ids = input_ids[None] if input_ids is not None else None
+        inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
+        if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
-            hidden_states = intermediate_tensors["hidden_states"]
-        for layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states = layer(positions, hidden_states)
+            hidden_states = intermediate_tensors["hidden_states"][None]
+        if get_pp_group().is_first_rank:
+            if inputs_embeds is None:
+                inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
+            hidden_states = inputs_embeds
+        for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
+            hidden_states = decoder_layer(hidden_states, positions=positions)
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states})
+            return IntermediateTensors({"hidden_states": hidden_states[0]})
         hidden_states = self.norm(hidden_states)
-        return hidden_states
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        return (hidden_states)[0]
 
 
 class CohereForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
     }
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
     }
+    # checkpoint names transformers renames at load (its conversion mapping), and
+    # checkpoint name -> (merged parameter, shard id) from the fusion records
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+        }
+    )
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -365,10 +367,10 @@ class CohereForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         quant_config = vllm_config.quant_config
         self.config = config
         self.quant_config = quant_config
-        self.logit_scale = config.logit_scale
         self.model = CohereModel(
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model")
         )
+        self.vocab_size = config.vocab_size
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(
                 config.vocab_size,
@@ -380,9 +382,9 @@ class CohereForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
                 self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         else:
             self.lm_head = PPMissingLayer()
-        self.logits_processor = LogitsProcessor(
-            config.vocab_size, scale=(self.logit_scale)
-        )
+        self.logit_scale = config.logit_scale
+        self.tie_word_embeddings = config.tie_word_embeddings
+        self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = (
             self.model.make_empty_intermediate_tensors
         )
@@ -400,8 +402,18 @@ class CohereForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        hidden_states = hidden_states[None]
+        hidden_states = hidden_states
+        slice_indices = slice(-0, None)
+        vocab_logits = self.logits_processor(
+            self.lm_head, (hidden_states[:, slice_indices, :])[0]
+        )
+        if vocab_logits is None:  # not the rank that samples
+            return None
+        logits = vocab_logits[None]
+        logits = logits * self.logit_scale  # main diff from Llama
+        return (logits)[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights)
+        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)

@@ -10,12 +10,13 @@
 # Fusion report:
 #   Fused: gate_proj + up_proj (CohereCompassMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: q_proj + k_proj + v_proj (CohereCompassAttention) -> qkv_proj (QKVParallelLinear)
-#   Unfused: native layout (CohereCompassForCausalLM): Refused: q/k/v projections (CohereCompassVisionAttention): `.unsqueeze(...)` between a projection and attention; after Refused: CohereCompassLayerNorm (CohereCompassLayerNorm): the weight is not applied as a multiply after the cast back (no unfused attention form is emitted yet)
 #   Unfused: module (CohereCompassRotaryEmbedding): copied from the source
 #   Unfused: module (CohereCompassLayerNorm): copied from the source (the weight is not applied as a multiply after the cast back)
 #   Unfused: decoder layer (CohereCompassDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (CohereCompassAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
 #   Refused: CohereCompassLayerNorm (CohereCompassLayerNorm): the weight is not applied as a multiply after the cast back
+#   Refused: attention (CohereCompassAttention): not vLLM's own layout: query (merged GEMM, head norm, rope): the fused form differs (max rel err 1.6e+00 > 1e-05)
+#   Refused: residual add + norm (CohereCompassDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of CohereCompassForCausalLM, generated from transformers/models/cohere_compass/modeling_cohere_compass.py."""
 
@@ -42,7 +43,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -529,11 +534,15 @@ class CohereCompassTextModel(nn.Module):
         return (hidden_states)[0]
 
 
-class CohereCompassForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class CohereCompassForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {
         "gate_up_proj": ["gate_proj", "up_proj"],
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    }
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
     }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records

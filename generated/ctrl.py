@@ -8,10 +8,10 @@
 # architecture:  GeneratedCTRLLMHeadModel -> CTRLLMHeadModel
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (CTRLLMHeadModel): Refused: q/k/v projections (MultiHeadAttention): the projections read different tensors (k, q, v) (no unfused attention form is emitted yet)
 #   Unfused: decoder layer (EncoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (MultiHeadAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Refused: q/k/v projections (MultiHeadAttention): the projections read different tensors (k, q, v)
+#   Refused: residual add + norm (EncoderLayer): `normed = self.layernorm1(x)` does not save the residual stream
 # ======================================================================================
 """Native vLLM implementation of CTRLLMHeadModel, generated from transformers/models/ctrl/modeling_ctrl.py."""
 
@@ -33,7 +33,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -313,9 +317,10 @@ class CTRLModel(nn.Module):
         return (hidden_states)[0]
 
 
-class CTRLLMHeadModel(nn.Module, SupportsPP, SupportsQuant):
+class CTRLLMHeadModel(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {"w": "input_embeddings", "lm_head": "output_embeddings"}
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

@@ -8,7 +8,6 @@
 # architecture:  GeneratedDbrxForCausalLM -> DbrxForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (DbrxForCausalLM): Refused: q/k/v projections (DbrxAttention): `query_states` between a projection and attention (no unfused attention form is emitted yet)
 #   Unfused: decoder layer (DbrxBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (DbrxFFN): copied from the source
 #   Unfused: module (DbrxExperts): copied from the source
@@ -19,6 +18,7 @@
 #   Unfused: module (DbrxRotaryEmbedding): copied from the source
 #   Unfused: torch.compile (DbrxModel): off: DbrxExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: q/k/v projections (DbrxAttention): `query_states` between a projection and attention
+#   Refused: residual add + norm (DbrxBlock): `resid_states, hidden_states = self.norm_attn_norm(` does not save the residual stream
 # ======================================================================================
 """Native vLLM implementation of DbrxForCausalLM, generated from transformers/models/dbrx/modeling_dbrx.py."""
 
@@ -41,7 +41,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -576,9 +580,10 @@ class DbrxModel(nn.Module):
         return (hidden_states)[0]
 
 
-class DbrxForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class DbrxForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {"wte": "input_embeddings", "lm_head": "output_embeddings"}
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

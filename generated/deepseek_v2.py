@@ -12,12 +12,13 @@
 #   Fused: norm (DeepseekV2Model) -> norm (RMSNorm)
 #   Fused: input_layernorm (DeepseekV2DecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (DeepseekV2DecoderLayer) -> post_attention_layernorm (RMSNorm)
+#   Fused: q_a_layernorm (DeepseekV2Attention) -> q_a_layernorm (RMSNorm)
 #   Fused: kv_a_layernorm (DeepseekV2Attention) -> kv_a_layernorm (RMSNorm)
 #   Fused: gate_proj + up_proj (DeepseekV2MLP) -> gate_up_proj (MergedColumnParallelLinear)
-#   Fused: gate_proj + up_proj (DeepseekV2MLP) -> gate_up_proj (MergedColumnParallelLinear)
-#   Unfused: native layout (DeepseekV2ForCausalLM): Refused: latent attention (DeepseekV2Attention): the latent `kv_nope` is not normed once by a proven norm (no unfused attention form is emitted yet)
+#   Fused: gate_proj + up_proj (DeepseekV2MLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
+#   Fused: residual add + input_layernorm (DeepseekV2DecoderLayer) -> input_layernorm (RMSNorm(x, residual))
+#   Fused: residual add + post_attention_layernorm (DeepseekV2DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (DeepseekV2RotaryEmbedding): copied from the source
-#   Unfused: decoder layer (DeepseekV2DecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (DeepseekV2Moe): copied from the source (the router's top-k is not `torch.topk(..., self.<k>)`, once or per group)
 #   Unfused: module (DeepseekV2TopkRouter): copied from the source
 #   Unfused: module (DeepseekV2Experts): copied from the source
@@ -25,6 +26,7 @@
 #   Unfused: latent attention (DeepseekV2ForCausalLM): its attention is emitted from the source on vLLM's standard attention (expanded keys and values), so vLLM's MLA path must be off: VLLM_MLA_DISABLE=1
 #   Unfused: torch.compile (DeepseekV2Model): off: DeepseekV2Experts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (DeepseekV2Moe): the router's top-k is not `torch.topk(..., self.<k>)`, once or per group
+#   Refused: latent attention (DeepseekV2Attention): the latent `kv_nope` is not normed once by a proven norm
 #   Refused: q/k/v projections (DeepseekV2Attention): `.cat(...)` between a projection and attention
 # ======================================================================================
 """Native vLLM implementation of DeepseekV2ForCausalLM, generated from transformers/models/deepseek_v2/modeling_deepseek_v2.py."""
@@ -55,7 +57,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -574,10 +580,15 @@ class DeepseekV2DecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+    ):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            # the previous layer's residual add, fused into this norm
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
@@ -586,14 +597,9 @@ class DeepseekV2DecoderLayer(nn.Module):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        hidden_states = residual + hidden_states
-
-        # Fully Connected
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
+        return hidden_states, residual
 
 
 class DeepseekV2Model(nn.Module):
@@ -631,7 +637,7 @@ class DeepseekV2Model(nn.Module):
             self.norm = PPMissingLayer()
         self.rotary_emb = DeepseekV2RotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "residual"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -651,28 +657,39 @@ class DeepseekV2Model(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
             hidden_states = inputs_embeds
         # create position embeddings to be shared across the decoder layers
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        if get_pp_group().is_first_rank:
+            residual = None
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states = decoder_layer(
+            hidden_states, residual = decoder_layer(
                 hidden_states,
                 position_embeddings=position_embeddings,
                 attention_mask=None,
                 position_ids=position_ids,
+                residual=residual,
             )
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
-        hidden_states = self.norm(hidden_states)
+            return IntermediateTensors(
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
+            )
+        # the last layer's residual add, fused into the final norm
+        hidden_states, _ = self.norm(hidden_states, residual)
         return (hidden_states)[0]
 
 
-class DeepseekV2ForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class DeepseekV2ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper(

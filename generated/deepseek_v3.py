@@ -8,22 +8,21 @@
 # architecture:  GeneratedDeepseekV3ForCausalLM -> DeepseekV3ForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: norm (DeepseekV3Model) -> norm (RMSNorm)
 #   Fused: input_layernorm (DeepseekV3DecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (DeepseekV3DecoderLayer) -> post_attention_layernorm (RMSNorm)
-#   Fused: norm (DeepseekV3Model) -> norm (RMSNorm)
-#   Fused: q_a_proj + kv_a_proj_with_mqa (DeepseekV3Attention) -> fused_qkv_a_proj (MergedColumnParallelLinear)
-#   Fused: kv_a_proj_with_mqa + kv_a_layernorm + kv_b_proj + rope + attention (DeepseekV3Attention) -> mla_attn (MultiHeadLatentAttentionWrapper, latent KV cache)
 #   Fused: q_a_layernorm (DeepseekV3Attention) -> q_a_layernorm (RMSNorm)
 #   Fused: kv_a_layernorm (DeepseekV3Attention) -> kv_a_layernorm (RMSNorm)
 #   Fused: gate + experts (DeepseekV3MoE) -> experts (FusedMoE, sigmoid top-`config.num_experts_per_tok` of `config.num_local_experts` experts, renormalised when `config.norm_topk_prob`, with a score correction bias, in `config.n_group` groups keeping `config.topk_group`, scaled by `config.routed_scaling_factor`, plus shared experts self.shared_experts)
 #   Fused: gate_proj + up_proj (DeepseekV3MLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: gate_proj + up_proj (DeepseekV3MLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
+#   Fused: q_a_proj + kv_a_proj_with_mqa (DeepseekV3Attention) -> fused_qkv_a_proj (MergedColumnParallelLinear)
+#   Fused: kv_a_proj_with_mqa + kv_a_layernorm + kv_b_proj + rope + attention (DeepseekV3Attention) -> mla_attn (MultiHeadLatentAttentionWrapper, latent KV cache)
 #   Fused: residual add + input_layernorm (DeepseekV3DecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (DeepseekV3DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 # ======================================================================================
 """Native vLLM implementation of DeepseekV3ForCausalLM, generated from transformers/models/deepseek_v3/modeling_deepseek_v3.py."""
 
-import math
 from collections.abc import Iterable
 from itertools import islice
 
@@ -31,9 +30,10 @@ import torch
 from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import CacheConfig, VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
@@ -66,26 +66,44 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-# Copied from transformers/models/deepseek_v3/modeling_deepseek_v3.py
+import math
 
 
-def yarn_get_mscale(scale=1, mscale=1):
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
+class DeepseekV3MLP(nn.Module):
+    def __init__(
+        self,
+        config,
+        intermediate_size=None,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = (
+            config.intermediate_size if intermediate_size is None else intermediate_size
+        )
+        # Fused: gate_proj + up_proj -> gate_up_proj (shard 0 is the activated side)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            self.hidden_size,
+            [self.intermediate_size, self.intermediate_size],
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = RowParallelLinear(
+            self.intermediate_size,
+            self.hidden_size,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.down_proj",
+        )
+        self.act_fn = get_act_and_mul_fn(config.hidden_act)
 
-
-# Copied from transformers/models/deepseek_v3/modeling_deepseek_v3.py
-
-
-def yarn_apply_mscale(rope_parameters, scaling):
-    if rope_parameters.get("rope_type", "default") != "default":
-        mscale_all_dim = rope_parameters.get("mscale_all_dim", 0)
-        scaling_factor = rope_parameters["factor"]
-        if mscale_all_dim:
-            mscale = yarn_get_mscale(scaling_factor, mscale_all_dim)
-            scaling = scaling * mscale * mscale
-    return scaling
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up_proj, _ = self.gate_up_proj(x)
+        x, _ = self.down_proj(self.act_fn(gate_up_proj))
+        return x
 
 
 class DeepseekV3MoE(nn.Module):
@@ -137,41 +155,20 @@ class DeepseekV3MoE(nn.Module):
         return out.view(shape)
 
 
-class DeepseekV3MLP(nn.Module):
-    def __init__(
-        self,
-        config,
-        intermediate_size=None,
-        quant_config: QuantizationConfig | None = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.hidden_size = config.hidden_size
-        self.intermediate_size = (
-            config.intermediate_size if intermediate_size is None else intermediate_size
-        )
-        # Fused: gate_proj + up_proj -> gate_up_proj (shard 0 is the activated side)
-        self.gate_up_proj = MergedColumnParallelLinear(
-            self.hidden_size,
-            [self.intermediate_size, self.intermediate_size],
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.gate_up_proj",
-        )
-        self.down_proj = RowParallelLinear(
-            self.intermediate_size,
-            self.hidden_size,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.down_proj",
-        )
-        self.act_fn = get_act_and_mul_fn(config.hidden_act)
+def yarn_get_mscale(scale=1, mscale=1):
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up_proj, _ = self.gate_up_proj(x)
-        x, _ = self.down_proj(self.act_fn(gate_up_proj))
-        return x
+
+def yarn_apply_mscale(rope_parameters, scaling):
+    if rope_parameters.get("rope_type", "default") != "default":
+        mscale_all_dim = rope_parameters.get("mscale_all_dim", 0)
+        scaling_factor = rope_parameters["factor"]
+        if mscale_all_dim:
+            mscale = yarn_get_mscale(scaling_factor, mscale_all_dim)
+            scaling = scaling * mscale * mscale
+    return scaling
 
 
 class _FlatRope(nn.Module):
@@ -193,7 +190,6 @@ class DeepseekV3Attention(nn.Module):
         self,
         config,
         layer_idx,
-        cache_config: CacheConfig | None = None,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
     ) -> None:
@@ -302,7 +298,7 @@ class DeepseekV3Attention(nn.Module):
                 is_sparse=False,
                 topk_indices_buffer=None,
             ),
-            cache_config,
+            get_current_vllm_config().cache_config,
             quant_config,
             prefix,
         )
@@ -310,27 +306,30 @@ class DeepseekV3Attention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor
     ) -> torch.Tensor:
-        return self.mla_attn(positions, hidden_states)
+        # vLLM's layout: one row per token
+        shape = hidden_states.shape
+        out = self.mla_attn(positions, hidden_states.reshape(-1, shape[-1]))
+        return out.view(*shape[:-1], -1)
 
 
 class DeepseekV3DecoderLayer(nn.Module):
     def __init__(
         self,
         config,
-        cache_config: CacheConfig | None = None,
+        layer_idx: int,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ) -> None:
+    ):
         super().__init__()
-        layer_idx = extract_layer_index(prefix)
         self.hidden_size = config.hidden_size
+
         self.self_attn = DeepseekV3Attention(
             config=config,
             layer_idx=layer_idx,
-            cache_config=cache_config,
             quant_config=quant_config,
             prefix=f"{prefix}.self_attn",
         )
+
         if layer_idx >= config.first_k_dense_replace:
             self.mlp = DeepseekV3MoE(
                 config, quant_config=quant_config, prefix=f"{prefix}.mlp"
@@ -339,6 +338,7 @@ class DeepseekV3DecoderLayer(nn.Module):
             self.mlp = DeepseekV3MLP(
                 config, quant_config=quant_config, prefix=f"{prefix}.mlp"
             )
+
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, eps=config.rms_norm_eps
@@ -346,17 +346,24 @@ class DeepseekV3DecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        **kwargs,
+    ):
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             # the previous layer's residual add, fused into this norm
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+        # Self Attention
+        hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
         return hidden_states, residual
@@ -364,24 +371,13 @@ class DeepseekV3DecoderLayer(nn.Module):
 
 @support_torch_compile
 class DeepseekV3Model(nn.Module):
-    # checkpoint name -> (merged parameter, shard id), from the fusion records
-    hf_to_vllm_mapper = WeightsMapper(
-        orig_to_new_stacked={
-            ".self_attn.q_a_proj.": (".self_attn.fused_qkv_a_proj.", 0),
-            ".self_attn.kv_a_proj_with_mqa.": (".self_attn.fused_qkv_a_proj.", 1),
-            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
-            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
-            ".mlp.shared_experts.gate_proj.": (".mlp.shared_experts.gate_up_proj.", 0),
-            ".mlp.shared_experts.up_proj.": (".mlp.shared_experts.gate_up_proj.", 1),
-        }
-    )
-
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
-        cache_config = vllm_config.cache_config
         quant_config = vllm_config.quant_config
         self.config = config
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
         if get_pp_group().is_first_rank or (
             config.tie_word_embeddings and get_pp_group().is_last_rank
         ):
@@ -397,7 +393,7 @@ class DeepseekV3Model(nn.Module):
             config.num_hidden_layers,
             lambda prefix: DeepseekV3DecoderLayer(
                 config,
-                cache_config=cache_config,
+                extract_layer_index(prefix),
                 quant_config=quant_config,
                 prefix=prefix,
             ),
@@ -421,54 +417,54 @@ class DeepseekV3Model(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        if get_pp_group().is_first_rank:
-            if inputs_embeds is not None:
-                hidden_states = inputs_embeds
-            else:
-                hidden_states = self.embed_input_ids(input_ids)
-            residual = None
-        else:
+        # vLLM runs every request's tokens as one sequence: a batch of one
+        input_ids = input_ids[None] if input_ids is not None else None
+        inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
+        if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
-            hidden_states = intermediate_tensors["hidden_states"]
-            residual = intermediate_tensors["residual"]
-        for layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
+        if get_pp_group().is_first_rank:
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_tokens(input_ids)
+            hidden_states = inputs_embeds
+        if get_pp_group().is_first_rank:
+            residual = None
+        for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
+            hidden_states, residual = decoder_layer(
+                hidden_states, residual=residual, positions=positions
+            )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors(
-                {"hidden_states": hidden_states, "residual": residual}
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
             )
         # the last layer's residual add, fused into the final norm
         hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights, mapper=self._built_merges_mapper())
-
-    def _built_merges_mapper(self) -> WeightsMapper:
-        built = {name.rsplit(".", 1)[-1] for name, _ in self.named_modules()}
-        return WeightsMapper(
-            orig_to_new_stacked={
-                old: (new, shard)
-                for old, (
-                    new,
-                    shard,
-                ) in self.hf_to_vllm_mapper.orig_to_new_stacked.items()
-                if new.strip(".").rsplit(".", 1)[-1] in built
-            }
-        )
+        return (hidden_states)[0]
 
 
 class DeepseekV3ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {
-        "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"],
         "gate_up_proj": ["gate_proj", "up_proj"],
+        "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"],
     }
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
     }
+    # checkpoint names transformers renames at load (its conversion mapping), and
+    # checkpoint name -> (merged parameter, shard id) from the fusion records
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+            ".mlp.shared_experts.gate_proj.": (".mlp.shared_experts.gate_up_proj.", 0),
+            ".mlp.shared_experts.up_proj.": (".mlp.shared_experts.gate_up_proj.", 1),
+            ".self_attn.q_a_proj.": (".self_attn.fused_qkv_a_proj.", 0),
+            ".self_attn.kv_a_proj_with_mqa.": (".self_attn.fused_qkv_a_proj.", 1),
+        }
+    )
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -479,6 +475,7 @@ class DeepseekV3ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         self.model = DeepseekV3Model(
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model")
         )
+        self.vocab_size = config.vocab_size
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(
                 config.vocab_size,
@@ -508,8 +505,29 @@ class DeepseekV3ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        hidden_states = hidden_states[None]
+        hidden_states = hidden_states
+        # Only compute necessary logits, and do not upcast them to float if we are not computing the loss
+        slice_indices = slice(-0, None)
+        vocab_logits = self.logits_processor(
+            self.lm_head, (hidden_states[:, slice_indices, :])[0]
+        )
+        if vocab_logits is None:  # not the rank that samples
+            return None
+        logits = vocab_logits[None]
+        return (logits)[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights)
+        return loader.load_weights(
+            weights, mapper=self._built_merges_mapper(self.hf_to_vllm_mapper)
+        )
+
+    def _built_merges_mapper(self, mapper: WeightsMapper) -> WeightsMapper:
+        built = {name.rsplit(".", 1)[-1] for name, _ in self.named_modules()}
+        stacked = {
+            old: (new, shard)
+            for old, (new, shard) in mapper.orig_to_new_stacked.items()
+            if new.strip(".").rsplit(".", 1)[-1] in built
+        }
+        return WeightsMapper(**{**vars(mapper), "orig_to_new_stacked": stacked})

@@ -8,29 +8,29 @@
 # architecture:  GeneratedDots1ForCausalLM -> Dots1ForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: norm (Dots1Model) -> norm (RMSNorm)
 #   Fused: input_layernorm (Dots1DecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (Dots1DecoderLayer) -> post_attention_layernorm (RMSNorm)
-#   Fused: norm (Dots1Model) -> norm (RMSNorm)
-#   Fused: q_proj + k_proj + v_proj (Dots1Attention) -> qkv_proj (QKVParallelLinear)
 #   Fused: q_norm (Dots1Attention) -> q_norm (RMSNorm)
 #   Fused: k_norm (Dots1Attention) -> k_norm (RMSNorm)
 #   Fused: gate + experts (Dots1MoE) -> experts (FusedMoE, sigmoid top-`config.num_experts_per_tok` of `config.num_local_experts` experts, renormalised when `config.norm_topk_prob`, with a score correction bias, in `config.n_group` groups keeping `config.topk_group`, scaled by `config.routed_scaling_factor`, plus shared experts self.shared_experts)
 #   Fused: gate_proj + up_proj (Dots1MLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: gate_proj + up_proj (Dots1MLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
+#   Fused: q_proj + k_proj + v_proj (Dots1Attention) -> qkv_proj (QKVParallelLinear)
 #   Fused: residual add + input_layernorm (Dots1DecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (Dots1DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 # ======================================================================================
 """Native vLLM implementation of Dots1ForCausalLM, generated from transformers/models/dots1/modeling_dots1.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
 from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import CacheConfig, VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
@@ -65,98 +65,11 @@ from vllm.model_executor.models.utils import (
 from vllm.sequence import IntermediateTensors
 
 
-class Dots1MoE(nn.Module):
-    def __init__(
-        self, config, quant_config: QuantizationConfig | None = None, prefix: str = ""
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.gate = GateLinear(
-            config.hidden_size,
-            config.num_local_experts,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.gate",
-        )
-        self.gate.e_score_correction_bias = nn.Parameter(
-            torch.empty(config.num_local_experts, dtype=torch.float32)
-        )
-        # Fused: gate + experts -> FusedMoE (sigmoid top-`config.num_experts_per_tok` of `config.num_local_experts` experts, renormalised when `config.norm_topk_prob`, with a score correction bias, in `config.n_group` groups keeping `config.topk_group`, scaled by `config.routed_scaling_factor`, plus shared experts self.shared_experts)
-        self.experts = FusedMoEFactory(
-            num_experts=config.num_local_experts,
-            top_k=config.num_experts_per_tok,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.moe_intermediate_size,
-            renormalize=config.norm_topk_prob,
-            activation=config.hidden_act,
-            scoring_func="sigmoid",
-            e_score_correction_bias=self.gate.e_score_correction_bias,
-            use_grouped_topk=True,
-            num_expert_group=config.n_group,
-            topk_group=config.topk_group,
-            routed_scaling_factor=config.routed_scaling_factor,
-            quant_config=quant_config,
-            prefix=f"{prefix}.experts",
-        )
-        self.shared_experts = Dots1MLP(
-            config=config,
-            intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
-            quant_config=quant_config,
-            prefix=f"{prefix}.shared_experts",
-        )
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shape = hidden_states.shape
-        hidden_states = hidden_states.view(-1, shape[-1])
-        router_logits, _ = self.gate(hidden_states)
-        out = self.experts(hidden_states, router_logits)
-        out = out + self.shared_experts(hidden_states)
-        return out.view(shape)
-
-
-class Dots1MLP(nn.Module):
-    def __init__(
-        self,
-        config,
-        intermediate_size=None,
-        quant_config: QuantizationConfig | None = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.hidden_size = config.hidden_size
-        self.intermediate_size = (
-            config.intermediate_size if intermediate_size is None else intermediate_size
-        )
-        # Fused: gate_proj + up_proj -> gate_up_proj (shard 0 is the activated side)
-        self.gate_up_proj = MergedColumnParallelLinear(
-            self.hidden_size,
-            [self.intermediate_size, self.intermediate_size],
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.gate_up_proj",
-        )
-        self.down_proj = RowParallelLinear(
-            self.intermediate_size,
-            self.hidden_size,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.down_proj",
-        )
-        self.act_fn = get_act_and_mul_fn(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up_proj, _ = self.gate_up_proj(x)
-        x, _ = self.down_proj(self.act_fn(gate_up_proj))
-        return x
-
-
 class Dots1Attention(nn.Module):
     def __init__(
         self,
         config,
         layer_idx,
-        cache_config: CacheConfig | None = None,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
     ) -> None:
@@ -216,6 +129,7 @@ class Dots1Attention(nn.Module):
             is_neox_style=True,
             rope_parameters=config.rope_parameters,
         )
+        cache_config = get_current_vllm_config().cache_config
         sliding_window = self.sliding_window
         if (
             sliding_window is None
@@ -223,7 +137,7 @@ class Dots1Attention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.num_heads,
@@ -239,6 +153,9 @@ class Dots1Attention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor
     ) -> torch.Tensor:
+        # vLLM's layout: one row per token
+        shape = hidden_states.shape
+        hidden_states = hidden_states.reshape(-1, shape[-1])
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # q/k norms per head, as the source applies them
@@ -247,27 +164,113 @@ class Dots1Attention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         attn_output = self.attn(q, k, v)
         output, _ = self.o_proj(attn_output)
-        return output
+        return output.view(*shape[:-1], -1)
+
+
+class Dots1MLP(nn.Module):
+    def __init__(
+        self,
+        config,
+        intermediate_size=None,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = (
+            config.intermediate_size if intermediate_size is None else intermediate_size
+        )
+        # Fused: gate_proj + up_proj -> gate_up_proj (shard 0 is the activated side)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            self.hidden_size,
+            [self.intermediate_size, self.intermediate_size],
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = RowParallelLinear(
+            self.intermediate_size,
+            self.hidden_size,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.down_proj",
+        )
+        self.act_fn = get_act_and_mul_fn(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up_proj, _ = self.gate_up_proj(x)
+        x, _ = self.down_proj(self.act_fn(gate_up_proj))
+        return x
+
+
+class Dots1MoE(nn.Module):
+    def __init__(
+        self, config, quant_config: QuantizationConfig | None = None, prefix: str = ""
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.gate = GateLinear(
+            config.hidden_size,
+            config.num_local_experts,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.gate",
+        )
+        self.gate.e_score_correction_bias = nn.Parameter(
+            torch.empty(config.num_local_experts, dtype=torch.float32)
+        )
+        # Fused: gate + experts -> FusedMoE (sigmoid top-`config.num_experts_per_tok` of `config.num_local_experts` experts, renormalised when `config.norm_topk_prob`, with a score correction bias, in `config.n_group` groups keeping `config.topk_group`, scaled by `config.routed_scaling_factor`, plus shared experts self.shared_experts)
+        self.experts = FusedMoEFactory(
+            num_experts=config.num_local_experts,
+            top_k=config.num_experts_per_tok,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.moe_intermediate_size,
+            renormalize=config.norm_topk_prob,
+            activation=config.hidden_act,
+            scoring_func="sigmoid",
+            e_score_correction_bias=self.gate.e_score_correction_bias,
+            use_grouped_topk=True,
+            num_expert_group=config.n_group,
+            topk_group=config.topk_group,
+            routed_scaling_factor=config.routed_scaling_factor,
+            quant_config=quant_config,
+            prefix=f"{prefix}.experts",
+        )
+        self.shared_experts = Dots1MLP(
+            config=config,
+            intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+            quant_config=quant_config,
+            prefix=f"{prefix}.shared_experts",
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        hidden_states = hidden_states.view(-1, shape[-1])
+        router_logits, _ = self.gate(hidden_states)
+        out = self.experts(hidden_states, router_logits)
+        out = out + self.shared_experts(hidden_states)
+        return out.view(shape)
 
 
 class Dots1DecoderLayer(nn.Module):
     def __init__(
         self,
         config,
-        cache_config: CacheConfig | None = None,
+        layer_idx: int,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ) -> None:
+    ):
         super().__init__()
-        layer_idx = extract_layer_index(prefix)
         self.hidden_size = config.hidden_size
+
         self.self_attn = Dots1Attention(
             config=config,
             layer_idx=layer_idx,
-            cache_config=cache_config,
             quant_config=quant_config,
             prefix=f"{prefix}.self_attn",
         )
+
         if layer_idx >= config.first_k_dense_replace:
             self.mlp = Dots1MoE(
                 config, quant_config=quant_config, prefix=f"{prefix}.mlp"
@@ -276,6 +279,7 @@ class Dots1DecoderLayer(nn.Module):
             self.mlp = Dots1MLP(
                 config, quant_config=quant_config, prefix=f"{prefix}.mlp"
             )
+
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, eps=config.rms_norm_eps
@@ -283,17 +287,24 @@ class Dots1DecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        **kwargs,
+    ):
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             # the previous layer's residual add, fused into this norm
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+        # Self Attention
+        hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
         return hidden_states, residual
@@ -301,25 +312,13 @@ class Dots1DecoderLayer(nn.Module):
 
 @support_torch_compile
 class Dots1Model(nn.Module):
-    # checkpoint name -> (merged parameter, shard id), from the fusion records
-    hf_to_vllm_mapper = WeightsMapper(
-        orig_to_new_stacked={
-            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
-            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
-            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
-            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
-            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
-            ".mlp.shared_experts.gate_proj.": (".mlp.shared_experts.gate_up_proj.", 0),
-            ".mlp.shared_experts.up_proj.": (".mlp.shared_experts.gate_up_proj.", 1),
-        }
-    )
-
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
-        cache_config = vllm_config.cache_config
         quant_config = vllm_config.quant_config
         self.config = config
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
         if get_pp_group().is_first_rank or (
             config.tie_word_embeddings and get_pp_group().is_last_rank
         ):
@@ -335,7 +334,7 @@ class Dots1Model(nn.Module):
             config.num_hidden_layers,
             lambda prefix: Dots1DecoderLayer(
                 config,
-                cache_config=cache_config,
+                extract_layer_index(prefix),
                 quant_config=quant_config,
                 prefix=prefix,
             ),
@@ -345,6 +344,7 @@ class Dots1Model(nn.Module):
             self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         else:
             self.norm = PPMissingLayer()
+        self.has_sliding_layers = "sliding_attention" in self.config.layer_types
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states", "residual"], config.hidden_size
         )
@@ -359,41 +359,66 @@ class Dots1Model(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        if get_pp_group().is_first_rank:
-            if inputs_embeds is not None:
-                hidden_states = inputs_embeds
-            else:
-                hidden_states = self.embed_input_ids(input_ids)
-            residual = None
-        else:
+        # vLLM runs every request's tokens as one sequence: a batch of one
+        input_ids = input_ids[None] if input_ids is not None else None
+        inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
+        if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
-            hidden_states = intermediate_tensors["hidden_states"]
-            residual = intermediate_tensors["residual"]
-        for layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
+        if get_pp_group().is_first_rank:
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_tokens(input_ids)
+        mask_creation_functions = {
+            "full_attention": lambda: None,
+            "sliding_attention": lambda: None,
+        }
+        causal_mask_mapping = {}
+        for layer_type in set(self.config.layer_types):
+            causal_mask_mapping[layer_type] = mask_creation_functions[layer_type]()
+        if get_pp_group().is_first_rank:
+            hidden_states = inputs_embeds
+        if get_pp_group().is_first_rank:
+            residual = None
+        for i, decoder_layer in enumerate(
+            islice(self.layers, self.start_layer, self.end_layer),
+            start=self.start_layer,
+        ):
+            hidden_states, residual = decoder_layer(
+                hidden_states, residual=residual, positions=positions
+            )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors(
-                {"hidden_states": hidden_states, "residual": residual}
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
             )
         # the last layer's residual add, fused into the final norm
         hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        return (hidden_states)[0]
 
 
 class Dots1ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
     }
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
     }
+    # checkpoint names transformers renames at load (its conversion mapping), and
+    # checkpoint name -> (merged parameter, shard id) from the fusion records
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+            ".mlp.shared_experts.gate_proj.": (".mlp.shared_experts.gate_up_proj.", 0),
+            ".mlp.shared_experts.up_proj.": (".mlp.shared_experts.gate_up_proj.", 1),
+            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+        }
+    )
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -404,6 +429,7 @@ class Dots1ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         self.model = Dots1Model(
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model")
         )
+        self.vocab_size = config.vocab_size
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(
                 config.vocab_size,
@@ -433,8 +459,18 @@ class Dots1ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        hidden_states = hidden_states[None]
+        hidden_states = hidden_states
+        # Only compute necessary logits, and do not upcast them to float if we are not computing the loss
+        slice_indices = slice(-0, None)
+        vocab_logits = self.logits_processor(
+            self.lm_head, (hidden_states[:, slice_indices, :])[0]
+        )
+        if vocab_logits is None:  # not the rank that samples
+            return None
+        logits = vocab_logits[None]
+        return (logits)[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights)
+        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)

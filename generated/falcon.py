@@ -8,12 +8,12 @@
 # architecture:  GeneratedFalconForCausalLM -> FalconForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (FalconForCausalLM): transformers/models/falcon/modeling_falcon.py: no decoder layer (a class building an attention class) found (is this a transformers causal LM modeling file?)
 #   Unfused: module (FalconRotaryEmbedding): copied from the source
 #   Unfused: decoder layer (FalconDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (FalconMLP): copied from the source
 #   Unfused: module (FalconLinear): copied from the source
 #   Unfused: attention (FalconAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5)
+#   Refused: residual add + norm (FalconDecoderLayer): forward does not end with `return <hidden states>`
 # ======================================================================================
 """Native vLLM implementation of FalconForCausalLM, generated from transformers/models/falcon/modeling_falcon.py."""
 
@@ -35,7 +35,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -702,9 +706,13 @@ class FalconModel(nn.Module):
         return (hidden_states)[0]
 
 
-class FalconForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class FalconForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {
+        "word_embeddings": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

@@ -8,33 +8,30 @@
 # architecture:  GeneratedGemma3ForCausalLM -> Gemma3ForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: norm (Gemma3TextModel) -> norm (GemmaRMSNorm)
 #   Fused: input_layernorm (Gemma3DecoderLayer) -> input_layernorm (GemmaRMSNorm)
 #   Fused: post_attention_layernorm (Gemma3DecoderLayer) -> post_attention_layernorm (GemmaRMSNorm)
 #   Fused: pre_feedforward_layernorm (Gemma3DecoderLayer) -> pre_feedforward_layernorm (GemmaRMSNorm)
 #   Fused: post_feedforward_layernorm (Gemma3DecoderLayer) -> post_feedforward_layernorm (GemmaRMSNorm)
-#   Fused: norm (Gemma3TextModel) -> norm (GemmaRMSNorm)
-#   Fused: q_proj + k_proj + v_proj (Gemma3Attention) -> qkv_proj (QKVParallelLinear)
 #   Fused: q_norm (Gemma3Attention) -> q_norm (GemmaRMSNorm)
 #   Fused: k_norm (Gemma3Attention) -> k_norm (GemmaRMSNorm)
 #   Fused: gate_proj + up_proj (Gemma3MLP) -> gate_up_proj (MergedColumnParallelLinear)
+#   Fused: q_proj + k_proj + v_proj (Gemma3Attention) -> qkv_proj (QKVParallelLinear)
 #   Fused: residual add + input_layernorm (Gemma3DecoderLayer) -> input_layernorm (GemmaRMSNorm(x, residual))
 #   Fused: residual add + pre_feedforward_layernorm (Gemma3DecoderLayer) -> pre_feedforward_layernorm (GemmaRMSNorm(x, residual))
-#   Kept: self.post_attention_layernorm on self.self_attn's output, before the residual add (Gemma3DecoderLayer)
-#   Kept: self.post_feedforward_layernorm on self.mlp's output, before the residual add (Gemma3DecoderLayer)
-#   Kept: embeddings scaled by `self.embed_scale` in the embedding; self.embed_scale = self.config.hidden_size**0.5
-#   Kept: logits soft-capped at `self.config.final_logit_softcapping`
+#   Kept: embedding (Gemma3TextScaledWordEmbedding): copied from the source onto VocabParallelEmbedding (sharded over the vocabulary as vLLM's own)
 # ======================================================================================
 """Native vLLM implementation of Gemma3ForCausalLM, generated from transformers/models/gemma3/modeling_gemma3.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
 from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import CacheConfig, VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
@@ -66,6 +63,32 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
+
+from collections.abc import Callable
+
+
+class Gemma3TextScaledWordEmbedding(VocabParallelEmbedding):
+    """
+    This module overrides nn.Embeddings' forward by multiplying with embeddings scale.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int,
+        embed_scale: float = 1.0,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ):
+        super().__init__(
+            num_embeddings, embedding_dim, quant_config=quant_config, prefix=prefix
+        )
+        self.scalar_embed_scale = embed_scale
+        self.embed_scale = nn.Buffer(torch.tensor(embed_scale), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor):
+        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
 
 
 class Gemma3MLP(nn.Module):
@@ -104,7 +127,6 @@ class Gemma3Attention(nn.Module):
         self,
         config,
         layer_idx,
-        cache_config: CacheConfig | None = None,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
     ) -> None:
@@ -166,6 +188,7 @@ class Gemma3Attention(nn.Module):
             is_neox_style=True,
             rope_parameters=config.rope_parameters[config.layer_types[layer_idx]],
         )
+        cache_config = get_current_vllm_config().cache_config
         sliding_window = self.sliding_window
         if (
             sliding_window is None
@@ -173,7 +196,7 @@ class Gemma3Attention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.num_heads,
@@ -189,6 +212,9 @@ class Gemma3Attention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor
     ) -> torch.Tensor:
+        # vLLM's layout: one row per token
+        shape = hidden_states.shape
+        hidden_states = hidden_states.reshape(-1, shape[-1])
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # q/k norms per head, as the source applies them
@@ -197,26 +223,24 @@ class Gemma3Attention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         attn_output = self.attn(q, k, v)
         output, _ = self.o_proj(attn_output)
-        return output
+        return output.view(*shape[:-1], -1)
 
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(
         self,
         config,
-        cache_config: CacheConfig | None = None,
+        layer_idx: int,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ) -> None:
+    ):
         super().__init__()
-        layer_idx = extract_layer_index(prefix)
         self.config = config
         self.hidden_size = config.hidden_size
         self.layer_idx = layer_idx
         self.self_attn = Gemma3Attention(
             config=config,
             layer_idx=layer_idx,
-            cache_config=cache_config,
             quant_config=quant_config,
             prefix=f"{prefix}.self_attn",
         )
@@ -234,17 +258,23 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        position_embeddings: torch.Tensor = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        residual: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        **kwargs,
+    ):
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             # the previous layer's residual add, fused into this norm
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+
+        hidden_states = self.self_attn(positions, hidden_states)
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states, residual = self.pre_feedforward_layernorm(
             hidden_states, residual
@@ -254,32 +284,39 @@ class Gemma3DecoderLayer(nn.Module):
         return hidden_states, residual
 
 
+def _bidirectional_window_overlay(
+    sliding_window: int,
+) -> Callable[[int, int, int, int], bool]:
+    """
+    Enables a bidirectional mask within the sliding window.
+    """
+
+    def inner_mask(batch_idx: int, head_idx: int, q_idx: int, kv_idx: int) -> bool:
+        """A token can attend to any other token if their absolute distance is within
+        the (exclusive) sliding window size (distance < sliding_window)."""
+        return abs(q_idx - kv_idx) < sliding_window
+
+    return inner_mask
+
+
 @support_torch_compile
 class Gemma3TextModel(nn.Module):
-    # checkpoint name -> (merged parameter, shard id), from the fusion records
-    hf_to_vllm_mapper = WeightsMapper(
-        orig_to_new_stacked={
-            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
-            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
-            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
-            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
-            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
-        }
-    )
-
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
-        cache_config = vllm_config.cache_config
         quant_config = vllm_config.quant_config
         self.config = config
-        self.embed_scale = self.config.hidden_size**0.5
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        # Gemma3 downcasts the below to bfloat16, causing sqrt(3072)=55.4256 to become 55.5. See https://github.com/huggingface/transformers/pull/29402
         if get_pp_group().is_first_rank or (
             config.tie_word_embeddings and get_pp_group().is_last_rank
         ):
-            self.embed_tokens = VocabParallelEmbedding(
+            self.embed_tokens = Gemma3TextScaledWordEmbedding(
                 config.vocab_size,
                 config.hidden_size,
+                self.padding_idx,
+                embed_scale=self.config.hidden_size**0.5,
                 quant_config=quant_config,
                 prefix=f"{prefix}.embed_tokens",
             )
@@ -289,7 +326,7 @@ class Gemma3TextModel(nn.Module):
             config.num_hidden_layers,
             lambda prefix: Gemma3DecoderLayer(
                 config,
-                cache_config=cache_config,
+                extract_layer_index(prefix),
                 quant_config=quant_config,
                 prefix=prefix,
             ),
@@ -304,8 +341,7 @@ class Gemma3TextModel(nn.Module):
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        embeds = self.embed_tokens(input_ids)
-        return embeds * torch.tensor(self.embed_scale, dtype=embeds.dtype)
+        return self.embed_tokens(input_ids)
 
     def forward(
         self,
@@ -314,41 +350,76 @@ class Gemma3TextModel(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        if get_pp_group().is_first_rank:
-            if inputs_embeds is not None:
-                hidden_states = inputs_embeds
-            else:
-                hidden_states = self.embed_input_ids(input_ids)
-            residual = None
-        else:
+        # vLLM runs every request's tokens as one sequence: a batch of one
+        input_ids = input_ids[None] if input_ids is not None else None
+        inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
+        position_ids = positions[None]
+        if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
-            hidden_states = intermediate_tensors["hidden_states"]
-            residual = intermediate_tensors["residual"]
-        for layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
+            inputs_embeds = hidden_states
+        if get_pp_group().is_first_rank:
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_tokens(input_ids)
+        # Prepare mask arguments
+        mask_kwargs = {
+            "config": self.config,
+            "inputs_embeds": inputs_embeds,
+            "attention_mask": None,
+            "past_key_values": None,
+            "position_ids": position_ids,
+        }
+        sliding_mask_kwargs = mask_kwargs.copy()
+        if self.config.use_bidirectional_attention:
+            mask_kwargs["or_mask_function"] = lambda *args: torch.tensor(
+                True, dtype=torch.bool
+            )
+            sliding_mask_kwargs["or_mask_function"] = _bidirectional_window_overlay(
+                self.config.sliding_window
+            )
+        if get_pp_group().is_first_rank:
+            # embed positions
+            hidden_states = inputs_embeds
+        if get_pp_group().is_first_rank:
+            residual = None
+        for i, decoder_layer in enumerate(
+            islice(self.layers, self.start_layer, self.end_layer),
+            start=self.start_layer,
+        ):
+            hidden_states, residual = decoder_layer(
+                hidden_states, residual=residual, positions=positions
+            )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors(
-                {"hidden_states": hidden_states, "residual": residual}
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
             )
         # the last layer's residual add, fused into the final norm
         hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        return (hidden_states)[0]
 
 
 class Gemma3ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
     }
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
     }
+    # checkpoint names transformers renames at load (its conversion mapping), and
+    # checkpoint name -> (merged parameter, shard id) from the fusion records
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+        }
+    )
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -359,6 +430,7 @@ class Gemma3ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         self.model = Gemma3TextModel(
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model")
         )
+        self.vocab_size = config.vocab_size
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(
                 config.vocab_size,
@@ -370,9 +442,7 @@ class Gemma3ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
                 self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         else:
             self.lm_head = PPMissingLayer()
-        self.logits_processor = LogitsProcessor(
-            config.vocab_size, soft_cap=self.config.final_logit_softcapping
-        )
+        self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = (
             self.model.make_empty_intermediate_tensors
         )
@@ -390,8 +460,22 @@ class Gemma3ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        hidden_states = hidden_states[None]
+        hidden_states = hidden_states
+        # Only compute necessary logits, and do not upcast them to float if we are not computing the loss
+        slice_indices = slice(-0, None)
+        vocab_logits = self.logits_processor(
+            self.lm_head, (hidden_states[:, slice_indices, :])[0]
+        )
+        if vocab_logits is None:  # not the rank that samples
+            return None
+        logits = vocab_logits[None]
+        if self.config.final_logit_softcapping is not None:
+            logits = logits / self.config.final_logit_softcapping
+            logits = torch.tanh(logits)
+            logits = logits * self.config.final_logit_softcapping
+        return (logits)[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights)
+        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)

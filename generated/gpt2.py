@@ -8,11 +8,11 @@
 # architecture:  GeneratedGPT2LMHeadModel -> GPT2LMHeadModel
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (GPT2LMHeadModel): Refused: q/k/v projections (GPT2Attention): self.q_attn(...) between a projection and attention (no unfused attention form is emitted yet)
 #   Unfused: decoder layer (GPT2Block): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (GPT2MLP): copied from the source
 #   Unfused: attention (GPT2Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Refused: q/k/v projections (GPT2Attention): self.q_attn(...) between a projection and attention
+#   Refused: residual add + norm (GPT2Block): self.ln_1 is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of GPT2LMHeadModel, generated from transformers/models/gpt2/modeling_gpt2.py."""
 
@@ -35,7 +35,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -375,13 +379,13 @@ class GPT2Model(nn.Module):
             return IntermediateTensors({"hidden_states": hidden_states[0]})
         hidden_states = self.ln_f(hidden_states)
         hidden_states = hidden_states.view(output_shape)
-        past_key_values = None
         return (hidden_states)[0]
 
 
-class GPT2LMHeadModel(nn.Module, SupportsPP, SupportsQuant):
+class GPT2LMHeadModel(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {"wte": "input_embeddings", "lm_head": "output_embeddings"}
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

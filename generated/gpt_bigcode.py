@@ -8,11 +8,12 @@
 # architecture:  GeneratedGPTBigCodeForCausalLM -> GPTBigCodeForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (GPTBigCodeForCausalLM): Refused: q/k/v projections (GPTBigCodeAttention): `curr_past_key_values.layers[self.layer_idx].keys` between a projection and attention (no unfused attention form is emitted yet)
 #   Unfused: decoder layer (GPTBigCodeBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Unfused: module (GPTBigCodeMLP): copied from the source
+#   Unfused: module (GPTBigCodeMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (GPTBigCodeAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Refused: gate/up projections (GPTBigCodeMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: q/k/v projections (GPTBigCodeAttention): `curr_past_key_values.layers[self.layer_idx].keys` between a projection and attention
+#   Refused: residual add + norm (GPTBigCodeBlock): self.ln_1 is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of GPTBigCodeForCausalLM, generated from transformers/models/gpt_bigcode/modeling_gpt_bigcode.py."""
 
@@ -36,7 +37,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -417,9 +422,10 @@ class GPTBigCodeModel(nn.Module):
         return (hidden_states)[0]
 
 
-class GPTBigCodeForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class GPTBigCodeForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {"wte": "input_embeddings", "lm_head": "output_embeddings"}
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

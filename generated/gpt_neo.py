@@ -8,11 +8,12 @@
 # architecture:  GeneratedGPTNeoForCausalLM -> GPTNeoForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (GPTNeoForCausalLM): transformers/models/gpt_neo/modeling_gpt_neo.py: no decoder layer (a class building an attention class) found (is this a transformers causal LM modeling file?)
 #   Unfused: decoder layer (GPTNeoBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Unfused: module (GPTNeoMLP): copied from the source
+#   Unfused: module (GPTNeoMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: module (GPTNeoAttention): copied from the source
 #   Unfused: attention (GPTNeoSelfAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=1.0, window=config.window_size if self.attention_type == 'local' else None)
+#   Refused: gate/up projections (GPTNeoMLP): forward has no `down(act(gate(x)) * up(x))` product
+#   Refused: residual add + norm (GPTNeoBlock): forward does not end with `return <hidden states>`
 # ======================================================================================
 """Native vLLM implementation of GPTNeoForCausalLM, generated from transformers/models/gpt_neo/modeling_gpt_neo.py."""
 
@@ -36,7 +37,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -416,9 +421,10 @@ class GPTNeoModel(nn.Module):
         return (hidden_states)[0]
 
 
-class GPTNeoForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class GPTNeoForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {"wte": "input_embeddings", "lm_head": "output_embeddings"}
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

@@ -9,23 +9,25 @@
 # ======================================================================================
 # Fusion report:
 #   Fused: query_key_value (GPTNeoXAttention) -> query_key_value (QKVParallelLinear, packed per head in the checkpoint, reordered at load)
-#   Kept: checkpoint name `embed_out.` loaded as `lm_head.`, as transformers renames it
+#   Unfused: decoder layer (GPTNeoXLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
+#   Unfused: module (GPTNeoXMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Refused: gate/up projections (GPTNeoXMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: residual add + norm (GPTNeoXLayer): forward is not a sequence of pre-norm residual blocks
 # ======================================================================================
 """Native vLLM implementation of GPTNeoXForCausalLM, generated from transformers/models/gpt_neox/modeling_gpt_neox.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
 from torch import nn
 
 from transformers.activations import ACT2FN
+from transformers.core_model_loading import WeightRenaming
 
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import CacheConfig, VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (
@@ -58,10 +60,9 @@ from vllm.sequence import IntermediateTensors
 
 
 class GPTNeoXMLP(nn.Module):
-    # Not fused (see the report): the source's own forward on sharded projections.
     def __init__(
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = ""
-    ) -> None:
+    ):
         super().__init__()
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size,
@@ -69,6 +70,7 @@ class GPTNeoXMLP(nn.Module):
             bias=True,
             quant_config=quant_config,
             prefix=f"{prefix}.dense_h_to_4h",
+            return_bias=False,
         )
         self.dense_4h_to_h = RowParallelLinear(
             config.intermediate_size,
@@ -76,13 +78,14 @@ class GPTNeoXMLP(nn.Module):
             bias=True,
             quant_config=quant_config,
             prefix=f"{prefix}.dense_4h_to_h",
+            return_bias=False,
         )
         self.act = ACT2FN[config.hidden_act]
 
     def forward(self, hidden_states):
-        hidden_states = self.dense_h_to_4h(hidden_states)[0]
+        hidden_states = self.dense_h_to_4h(hidden_states)
         hidden_states = self.act(hidden_states)
-        hidden_states = self.dense_4h_to_h(hidden_states)[0]
+        hidden_states = self.dense_4h_to_h(hidden_states)
         return hidden_states
 
 
@@ -91,7 +94,6 @@ class GPTNeoXAttention(nn.Module):
         self,
         config,
         layer_idx=None,
-        cache_config: CacheConfig | None = None,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
     ) -> None:
@@ -140,6 +142,7 @@ class GPTNeoXAttention(nn.Module):
             is_neox_style=True,
             rope_parameters=config.rope_parameters,
         )
+        cache_config = get_current_vllm_config().cache_config
         sliding_window = None
         if (
             sliding_window is None
@@ -147,7 +150,7 @@ class GPTNeoXAttention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.num_heads,
@@ -163,25 +166,26 @@ class GPTNeoXAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor
     ) -> torch.Tensor:
+        # vLLM's layout: one row per token
+        shape = hidden_states.shape
+        hidden_states = hidden_states.reshape(-1, shape[-1])
         qkv, _ = self.query_key_value(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
         attn_output = self.attn(q, k, v)
         output, _ = self.dense(attn_output)
-        return output
+        return output.view(*shape[:-1], -1)
 
 
 class GPTNeoXLayer(nn.Module):
-    # Residual adds not fused into the norms (see the report): the source's own layout.
     def __init__(
         self,
         config,
-        cache_config: CacheConfig | None = None,
+        layer_idx,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ) -> None:
+    ):
         super().__init__()
-        layer_idx = extract_layer_index(prefix)
         self.use_parallel_residual = config.use_parallel_residual
         self.input_layernorm = nn.LayerNorm(
             config.hidden_size, eps=config.layer_norm_eps
@@ -192,20 +196,22 @@ class GPTNeoXLayer(nn.Module):
         self.post_attention_dropout = nn.Dropout(config.hidden_dropout)
         self.post_mlp_dropout = nn.Dropout(config.hidden_dropout)
         self.attention = GPTNeoXAttention(
-            config,
-            layer_idx,
-            cache_config=cache_config,
-            quant_config=quant_config,
-            prefix=f"{prefix}.attention",
+            config, layer_idx, quant_config=quant_config, prefix=f"{prefix}.attention"
         )
         self.mlp = GPTNeoXMLP(config, quant_config=quant_config, prefix=f"{prefix}.mlp")
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor
-    ) -> torch.Tensor:
-        attn_output = self.attention(
-            positions=positions, hidden_states=self.input_layernorm(hidden_states)
-        )
+        self,
+        hidden_states: torch.FloatTensor | None,
+        attention_mask: torch.FloatTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        use_cache: bool | None = False,
+        layer_past=None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        positions: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        attn_output = self.attention(positions, self.input_layernorm(hidden_states))
         attn_output = self.post_attention_dropout(attn_output)
 
         if self.use_parallel_residual:
@@ -223,14 +229,11 @@ class GPTNeoXLayer(nn.Module):
 
 @support_torch_compile
 class GPTNeoXModel(nn.Module):
-    # checkpoint name -> (merged parameter, shard id), from the fusion records
-    hf_to_vllm_mapper = WeightsMapper(orig_to_new_stacked={})
-
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
-        cache_config = vllm_config.cache_config
         quant_config = vllm_config.quant_config
+        self.config = config
         self.config = config
         if get_pp_group().is_first_rank or (
             config.tie_word_embeddings and get_pp_group().is_last_rank
@@ -243,11 +246,12 @@ class GPTNeoXModel(nn.Module):
             )
         else:
             self.embed_in = PPMissingLayer()
+        self.emb_dropout = nn.Dropout(config.hidden_dropout)
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers,
             lambda prefix: GPTNeoXLayer(
                 config,
-                cache_config=cache_config,
+                extract_layer_index(prefix),
                 quant_config=quant_config,
                 prefix=prefix,
             ),
@@ -273,50 +277,33 @@ class GPTNeoXModel(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        if get_pp_group().is_first_rank:
-            if inputs_embeds is not None:
-                hidden_states = inputs_embeds
-            else:
-                hidden_states = self.embed_input_ids(input_ids)
-            pass
-        else:
+        # vLLM runs every request's tokens as one sequence: a batch of one
+        input_ids = input_ids[None] if input_ids is not None else None
+        inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
+        if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
-            hidden_states = intermediate_tensors["hidden_states"]
+            hidden_states = intermediate_tensors["hidden_states"][None]
+        if get_pp_group().is_first_rank:
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_in(input_ids)
+            hidden_states = self.emb_dropout(inputs_embeds)
         for layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states = layer(positions, hidden_states)
+            hidden_states = layer(hidden_states, positions=positions)
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states})
+            return IntermediateTensors({"hidden_states": hidden_states[0]})
         hidden_states = self.final_layer_norm(hidden_states)
-        return hidden_states
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loader = AutoWeightsLoader(self)
-        return loader.load_weights(
-            self._checkpoint_layout(weights), mapper=self.hf_to_vllm_mapper
-        )
-
-    def _checkpoint_layout(self, weights):
-        for name, tensor in weights:
-            if ".attention.query_key_value." in f".{name}":
-                try:
-                    heads = self.get_submodule(name.rsplit(".", 1)[0]).total_num_heads
-                except AttributeError:  # a layer of another pipeline stage
-                    heads = None
-                if heads is not None:
-                    tensor = (
-                        tensor.view(heads, 3, -1, *tensor.shape[1:])
-                        .transpose(0, 1)
-                        .reshape(tensor.shape)
-                    )
-            yield name, tensor
+        return (hidden_states)[0]
 
 
 class GPTNeoXForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {"query_key_value": ["query_key_value"]}
-    # checkpoint names transformers renames at load (its conversion mapping)
-    hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix={"embed_out.": "lm_head."})
     embedding_modules = {"embed_in": "input_embeddings", "lm_head": "output_embeddings"}
+    # checkpoint names transformers renames at load (its conversion mapping), and
+    # checkpoint name -> (merged parameter, shard id) from the fusion records
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_renaming=[WeightRenaming(["^embed_out\\."], ["lm_head."])]
+    )
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -356,8 +343,34 @@ class GPTNeoXForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         return self.gpt_neox(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        hidden_states = hidden_states[None]
+        hidden_states = hidden_states
+        slice_indices = slice(-0, None)
+        vocab_logits = self.logits_processor(
+            self.lm_head, (hidden_states[:, slice_indices, :])[0]
+        )
+        if vocab_logits is None:  # not the rank that samples
+            return None
+        logits = vocab_logits[None]
+        return (logits)[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        return loader.load_weights(
+            self._checkpoint_layout(weights), mapper=self.hf_to_vllm_mapper
+        )
+
+    def _checkpoint_layout(self, weights):
+        for name, tensor in weights:
+            if ".query_key_value." in f".{name}":
+                try:
+                    heads = self.get_submodule(name.rsplit(".", 1)[0]).total_num_heads
+                except AttributeError:  # a layer of another pipeline stage
+                    heads = None
+                if heads is not None:
+                    tensor = (
+                        tensor.view(heads, 3, -1, *tensor.shape[1:])
+                        .transpose(0, 1)
+                        .reshape(tensor.shape)
+                    )
+            yield name, tensor

@@ -8,11 +8,12 @@
 # architecture:  GeneratedGPTNeoXJapaneseForCausalLM -> GPTNeoXJapaneseForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (GPTNeoXJapaneseForCausalLM): transformers/models/gpt_neox_japanese/modeling_gpt_neox_japanese.py: no decoder layer (a class building an attention class) found (is this a transformers causal LM modeling file?)
 #   Unfused: module (GPTNeoXJapaneseRotaryEmbedding): copied from the source
 #   Unfused: decoder layer (GPTNeoXJapaneseLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Unfused: module (GPTNeoXJapaneseMLP): copied from the source
+#   Unfused: module (GPTNeoXJapaneseMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (GPTNeoXJapaneseAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_size ** -0.5)
+#   Refused: gate/up projections (GPTNeoXJapaneseMLP): forward has no `down(act(gate(x)) * up(x))` product
+#   Refused: residual add + norm (GPTNeoXJapaneseLayer): forward does not end with `return <hidden states>`
 # ======================================================================================
 """Native vLLM implementation of GPTNeoXJapaneseForCausalLM, generated from transformers/models/gpt_neox_japanese/modeling_gpt_neox_japanese.py."""
 
@@ -37,7 +38,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -525,9 +530,13 @@ class GPTNeoXJapaneseModel(nn.Module):
         return (hidden_states)[0]
 
 
-class GPTNeoXJapaneseForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class GPTNeoXJapaneseForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {
+        "embed_in": "input_embeddings",
+        "embed_out": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

@@ -9,7 +9,6 @@
 # ======================================================================================
 # Fusion report:
 #   Fused: q_proj + k_proj + v_proj (GptOssAttention) -> qkv_proj (QKVParallelLinear)
-#   Unfused: native layout (GptOssForCausalLM): Refused: router + experts (GptOssMLP): no experts class matched; after Refused: GptOssRMSNorm (GptOssRMSNorm): the weight is not applied as a multiply after the cast back (no unfused MoE form is emitted yet)
 #   Unfused: module (GptOssRotaryEmbedding): copied from the source
 #   Unfused: module (GptOssRMSNorm): copied from the source (the weight is not applied as a multiply after the cast back)
 #   Unfused: decoder layer (GptOssDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
@@ -20,6 +19,8 @@
 #   Unfused: torch.compile (GptOssModel): off: GptOssExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: GptOssRMSNorm (GptOssRMSNorm): the weight is not applied as a multiply after the cast back
 #   Refused: router + experts (GptOssMLP): no experts class matched
+#   Refused: attention (GptOssAttention): not vLLM's own layout: attention sinks
+#   Refused: residual add + norm (GptOssDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of GptOssForCausalLM, generated from transformers/models/gpt_oss/modeling_gpt_oss.py."""
 
@@ -42,7 +43,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -512,9 +517,13 @@ class GptOssModel(nn.Module):
         return (hidden_states)[0]
 
 
-class GptOssForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class GptOssForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper(

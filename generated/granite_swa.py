@@ -13,10 +13,11 @@
 #   Fused: post_attention_layernorm (GraniteSWADecoderLayer) -> post_attention_layernorm (RMSNorm)
 #   Fused: gate_proj + up_proj (GraniteSWAMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: q_proj + k_proj + v_proj (GraniteSWAAttention) -> qkv_proj (QKVParallelLinear)
-#   Unfused: native layout (GraniteSWAForCausalLM): GraniteSWAAttention passes `s_aux=` to its attention call, not emitted yet
+#   Fused: residual add + input_layernorm (GraniteSWADecoderLayer) -> input_layernorm (RMSNorm(x, residual))
+#   Fused: residual add + post_attention_layernorm (GraniteSWADecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (GraniteSWARotaryEmbedding): copied from the source
-#   Unfused: decoder layer (GraniteSWADecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (GraniteSWAAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window, sinks=self.sinks)
+#   Refused: attention (GraniteSWAAttention): not vLLM's own layout: attention sinks
 # ======================================================================================
 """Native vLLM implementation of GraniteSWAForCausalLM, generated from transformers/models/granite_swa/modeling_granite_swa.py."""
 
@@ -46,7 +47,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -288,8 +293,9 @@ class GraniteSWADecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.Tensor:
+    ):
         """
         Args:
             hidden_states (`torch.FloatTensor`): input to the layer of shape `(batch, seq_len, embed_dim)`
@@ -310,9 +316,12 @@ class GraniteSWADecoderLayer(nn.Module):
                 Arbitrary kwargs to be ignored, used for FSDP and other methods that injects code
                 into the model
         """
-        residual = hidden_states
-
-        hidden_states = self.input_layernorm(hidden_states)
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            # the previous layer's residual add, fused into this norm
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
 
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
@@ -321,14 +330,11 @@ class GraniteSWADecoderLayer(nn.Module):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        hidden_states = residual + hidden_states * self.residual_multiplier
-
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = hidden_states * self.residual_multiplier
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states * self.residual_multiplier
-
-        return hidden_states
+        hidden_states = hidden_states * self.residual_multiplier
+        return hidden_states, residual
 
 
 class GraniteSWARotaryEmbedding(nn.Module):
@@ -417,7 +423,6 @@ class GraniteSWAModel(nn.Module):
             self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         else:
             self.norm = PPMissingLayer()
-        self.rotary_emb = GraniteSWARotaryEmbedding(config=config)
         self.embedding_multiplier = config.embedding_multiplier
         # Per-layer RoPE: one rotary embedding per unique non-zero theta (`theta == 0` => NoPE).
         # (`self.rotary_emb`, built by the parent at the global theta, is left in place but unused.)
@@ -430,7 +435,7 @@ class GraniteSWAModel(nn.Module):
             }
             self.rotary_embs.append(GraniteSWARotaryEmbedding(theta_config))
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "residual"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -450,6 +455,7 @@ class GraniteSWAModel(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
             inputs_embeds = hidden_states
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
@@ -469,6 +475,8 @@ class GraniteSWAModel(nn.Module):
             )
             for rotary_emb in self.rotary_embs
         }
+        if get_pp_group().is_first_rank:
+            residual = None
         for i, decoder_layer in enumerate(
             islice(self.layers, self.start_layer, self.end_layer),
             start=self.start_layer,
@@ -477,23 +485,31 @@ class GraniteSWAModel(nn.Module):
             layer_position_embeddings = (
                 position_embeddings_by_theta[theta] if theta else None
             )
-            hidden_states = decoder_layer(
+            hidden_states, residual = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask_mapping[self.config.layer_types[i]],
                 position_ids=position_ids,
                 position_embeddings=layer_position_embeddings,
+                residual=residual,
             )
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
-        hidden_states = self.norm(hidden_states)
+            return IntermediateTensors(
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
+            )
+        # the last layer's residual add, fused into the final norm
+        hidden_states, _ = self.norm(hidden_states, residual)
         return (hidden_states)[0]
 
 
-class GraniteSWAForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class GraniteSWAForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {
         "gate_up_proj": ["gate_proj", "up_proj"],
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    }
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
     }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records

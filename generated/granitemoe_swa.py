@@ -12,16 +12,18 @@
 #   Fused: input_layernorm (GraniteMoeSWADecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (GraniteMoeSWADecoderLayer) -> post_attention_layernorm (RMSNorm)
 #   Fused: q_proj + k_proj + v_proj (GraniteMoeSWAAttention) -> qkv_proj (QKVParallelLinear)
-#   Unfused: native layout (GraniteMoeSWAForCausalLM): Refused: router + experts (GraniteMoeSWAMoE): no router class matched (no unfused MoE form is emitted yet)
 #   Unfused: module (GraniteMoeSWARotaryEmbedding): copied from the source
 #   Unfused: decoder layer (GraniteMoeSWADecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Unfused: module (GraniteMoeSWAMLP): copied from the source
+#   Unfused: module (GraniteMoeSWAMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: module (GraniteMoeSWAMoE): copied from the source (no router class matched)
 #   Unfused: module (GraniteMoeSWAExperts): copied from the source
 #   Unfused: module (GraniteMoeSWATopKRouter): copied from the source
 #   Unfused: attention (GraniteMoeSWAAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window, sinks=self.sinks)
 #   Unfused: torch.compile (GraniteMoeSWAModel): off: GraniteMoeSWAExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (GraniteMoeSWAMoE): no router class matched
+#   Refused: gate/up projections (GraniteMoeSWAMLP): forward has no `down(act(gate(x)) * up(x))` product
+#   Refused: attention (GraniteMoeSWAAttention): not vLLM's own layout: attention sinks
+#   Refused: residual add + norm (GraniteMoeSWADecoderLayer): `moe_hidden_states = self.block_sparse_moe(hidden_states)` is not a sublayer applied to the normed stream
 # ======================================================================================
 """Native vLLM implementation of GraniteMoeSWAForCausalLM, generated from transformers/models/granitemoe_swa/modeling_granitemoe_swa.py."""
 
@@ -51,7 +53,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -529,7 +535,6 @@ class GraniteMoeSWAModel(nn.Module):
             self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         else:
             self.norm = PPMissingLayer()
-        self.rotary_emb = GraniteMoeSWARotaryEmbedding(config=config)
         self.embedding_multiplier = config.embedding_multiplier
         # Per-layer RoPE: one rotary embedding per unique non-zero theta (`theta == 0` => NoPE).
         # (`self.rotary_emb`, built by the parent at the global theta, is left in place but unused.)
@@ -601,9 +606,13 @@ class GraniteMoeSWAModel(nn.Module):
         return (hidden_states)[0]
 
 
-class GraniteMoeSWAForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class GraniteMoeSWAForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper(

@@ -15,10 +15,11 @@
 #   Fused: key_layernorm (HunYuanDenseV1Attention) -> key_layernorm (RMSNorm)
 #   Fused: gate_proj + up_proj (HunYuanDenseV1MLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: q_proj + k_proj + v_proj (HunYuanDenseV1Attention) -> qkv_proj (QKVParallelLinear)
-#   Unfused: native layout (HunYuanDenseV1ForCausalLM): Refused: attention projections (HunYuanDenseV1Attention): query (merged GEMM, head norm, rope): the fused form differs (max rel err 2.2e-01 > 1e-05) (no unfused attention form is emitted yet)
+#   Fused: residual add + input_layernorm (HunYuanDenseV1DecoderLayer) -> input_layernorm (RMSNorm(x, residual))
+#   Fused: residual add + post_attention_layernorm (HunYuanDenseV1DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (HunYuanDenseV1RotaryEmbedding): copied from the source
-#   Unfused: decoder layer (HunYuanDenseV1DecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (HunYuanDenseV1Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Refused: attention (HunYuanDenseV1Attention): not vLLM's own layout: query (merged GEMM, head norm, rope): the fused form differs (max rel err 3.0e-01 > 1e-05)
 # ======================================================================================
 """Native vLLM implementation of HunYuanDenseV1ForCausalLM, generated from transformers/models/hunyuan_v1_dense/modeling_hunyuan_v1_dense.py."""
 
@@ -46,7 +47,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -281,10 +286,15 @@ class HunYuanDenseV1DecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+    ):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            # the previous layer's residual add, fused into this norm
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
@@ -293,14 +303,9 @@ class HunYuanDenseV1DecoderLayer(nn.Module):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        hidden_states = residual + hidden_states
-
-        # Fully Connected
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
+        return hidden_states, residual
 
 
 class HunYuanDenseV1RotaryEmbedding(nn.Module):
@@ -408,7 +413,7 @@ class HunYuanDenseV1Model(nn.Module):
             self.norm = PPMissingLayer()
         self.rotary_emb = HunYuanDenseV1RotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "residual"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -428,29 +433,40 @@ class HunYuanDenseV1Model(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
             hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        if get_pp_group().is_first_rank:
+            residual = None
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states = decoder_layer(
+            hidden_states, residual = decoder_layer(
                 hidden_states,
                 attention_mask=None,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
+                residual=residual,
             )
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
-        hidden_states = self.norm(hidden_states)
+            return IntermediateTensors(
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
+            )
+        # the last layer's residual add, fused into the final norm
+        hidden_states, _ = self.norm(hidden_states, residual)
         return (hidden_states)[0]
 
 
-class HunYuanDenseV1ForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class HunYuanDenseV1ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {
         "gate_up_proj": ["gate_proj", "up_proj"],
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    }
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
     }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records

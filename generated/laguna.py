@@ -14,10 +14,10 @@
 #   Fused: q_norm (LagunaAttention) -> q_norm (RMSNorm)
 #   Fused: k_norm (LagunaAttention) -> k_norm (RMSNorm)
 #   Fused: gate_proj + up_proj (LagunaMLP) -> gate_up_proj (MergedColumnParallelLinear)
-#   Fused: gate_proj + up_proj (LagunaMLP) -> gate_up_proj (MergedColumnParallelLinear)
-#   Unfused: native layout (LagunaForCausalLM): Refused: q/k/v projections (LagunaAttention): no single output projection after attention (no unfused attention form is emitted yet)
+#   Fused: gate_proj + up_proj (LagunaMLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
+#   Fused: residual add + input_layernorm (LagunaDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
+#   Fused: residual add + post_attention_layernorm (LagunaDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (LagunaRotaryEmbedding): copied from the source
-#   Unfused: decoder layer (LagunaDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (LagunaSparseMoeBlock): copied from the source (the block also builds self.shared_experts, not a dense MLP added to the output)
 #   Unfused: module (LagunaTopKRouter): copied from the source
 #   Unfused: module (LagunaExperts): copied from the source
@@ -55,7 +55,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -557,10 +561,15 @@ class LagunaDecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+    ):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            # the previous layer's residual add, fused into this norm
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
@@ -569,14 +578,9 @@ class LagunaDecoderLayer(nn.Module):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        hidden_states = residual + hidden_states
-
-        # Fully Connected
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
+        return hidden_states, residual
 
 
 class LagunaModel(nn.Module):
@@ -614,7 +618,7 @@ class LagunaModel(nn.Module):
             self.norm = PPMissingLayer()
         self.rotary_emb = LagunaRotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "residual"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -634,6 +638,7 @@ class LagunaModel(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
@@ -651,25 +656,35 @@ class LagunaModel(nn.Module):
             position_embeddings[layer_type] = self.rotary_emb(
                 hidden_states, position_ids, layer_type
             )
+        if get_pp_group().is_first_rank:
+            residual = None
         for i, decoder_layer in enumerate(
             islice(self.layers, self.start_layer, self.end_layer),
             start=self.start_layer,
         ):
-            hidden_states = decoder_layer(
+            hidden_states, residual = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask_mapping[self.config.layer_types[i]],
                 position_embeddings=position_embeddings[self.config.layer_types[i]],
                 position_ids=position_ids,
+                residual=residual,
             )
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
-        hidden_states = self.norm(hidden_states)
+            return IntermediateTensors(
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
+            )
+        # the last layer's residual add, fused into the final norm
+        hidden_states, _ = self.norm(hidden_states, residual)
         return (hidden_states)[0]
 
 
-class LagunaForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class LagunaForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper(

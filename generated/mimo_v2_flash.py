@@ -11,20 +11,16 @@
 #   Fused: norm (MiMoV2FlashModel) -> norm (RMSNorm)
 #   Fused: input_layernorm (MiMoV2FlashDecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (MiMoV2FlashDecoderLayer) -> post_attention_layernorm (RMSNorm)
-#   Fused: gate_proj + up_proj (MiMoV2FlashMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: gate + experts (MiMoV2FlashMoE) -> experts (FusedMoE, sigmoid top-`config.num_experts_per_tok` of `config.num_local_experts` experts, renormalised when `config.norm_topk_prob`, with a score correction bias, in `config.n_group` groups keeping `config.topk_group`, scaled by `config.routed_scaling_factor`)
-#   Unfused: native layout (MiMoV2FlashForCausalLM): Refused: q/k/v projections (MiMoV2FlashAttention): `self.v_proj(hidden_states).view(v_hidden_shape).transpose(1, 2) * self.v_scale` between a projection and attention (no unfused attention form is emitted yet)
+#   Fused: gate_proj + up_proj (MiMoV2FlashMLP) -> gate_up_proj (MergedColumnParallelLinear)
+#   Fused: residual add + input_layernorm (MiMoV2FlashDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
+#   Fused: residual add + post_attention_layernorm (MiMoV2FlashDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (MiMoV2FlashRotaryEmbedding): copied from the source
-#   Unfused: decoder layer (MiMoV2FlashDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Unfused: module (MiMoV2FlashTopkRouter): copied from the source
-#   Unfused: module (MiMoV2FlashExperts): copied from the source
 #   Unfused: attention (MiMoV2FlashAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window, sinks=self.sinks)
-#   Unfused: torch.compile (MiMoV2FlashModel): off: MiMoV2FlashExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: q/k/v projections (MiMoV2FlashAttention): `self.v_proj(hidden_states).view(v_hidden_shape).transpose(1, 2) * self.v_scale` between a projection and attention
 # ======================================================================================
 """Native vLLM implementation of MiMoV2FlashForCausalLM, generated from transformers/models/mimo_v2_flash/modeling_mimo_v2_flash.py."""
 
-import re
 from collections.abc import Iterable
 from copy import copy as shallow_copy
 from itertools import islice
@@ -32,9 +28,9 @@ from itertools import islice
 import torch
 from torch import nn
 
-from transformers.activations import ACT2FN
 from transformers.core_model_loading import WeightRenaming
 
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
@@ -54,7 +50,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -69,7 +69,6 @@ from vllm.sequence import IntermediateTensors
 from collections.abc import Callable
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_rope_utils import dynamic_rope_update
-import torch.nn.functional as F
 
 
 def vllm_attention(
@@ -165,108 +164,6 @@ class MiMoV2FlashRotaryEmbedding(nn.Module):
         sin = emb.sin() * attention_scaling
 
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
-
-
-class MiMoV2FlashTopkRouter(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.num_experts = config.num_local_experts
-        self.hidden_dim = config.hidden_size
-        self.weight = nn.Parameter(torch.zeros(self.num_experts, self.hidden_dim))
-        self.routed_scaling_factor = config.routed_scaling_factor
-        self.num_group = config.n_group
-        self.topk_group = config.topk_group
-        self.norm_topk_prob = config.norm_topk_prob
-        self.e_score_correction_bias = nn.Buffer(torch.zeros(self.num_experts))
-
-    def forward(self, hidden_states):
-        hidden_states = hidden_states.view(-1, self.hidden_dim)
-        router_logits = F.linear(
-            hidden_states.type(torch.float32), self.weight.type(torch.float32)
-        )
-        scores = router_logits.sigmoid()
-        scores_for_choice = scores + self.e_score_correction_bias
-        group_scores = (
-            scores_for_choice.view(
-                -1, self.num_group, self.num_experts // self.num_group
-            )
-            .topk(2, dim=-1)[0]
-            .sum(dim=-1)
-        )
-        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores)
-        group_mask.scatter_(1, group_idx, 1)
-        score_mask = (
-            group_mask.unsqueeze(-1)
-            .expand(-1, self.num_group, self.num_experts // self.num_group)
-            .reshape(-1, self.num_experts)
-        )
-        scores_for_choice = scores_for_choice.masked_fill(
-            ~score_mask.bool(), float("-inf")
-        )
-        topk_indices = torch.topk(
-            scores_for_choice, k=self.top_k, dim=-1, sorted=False
-        )[1]
-        topk_weights = scores.gather(1, topk_indices)
-        if self.norm_topk_prob:
-            denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
-            topk_weights /= denominator
-        topk_weights = topk_weights * self.routed_scaling_factor
-        return router_logits, topk_weights, topk_indices
-
-
-class MiMoV2FlashExperts(nn.Module):
-    """Collection of expert weights stored as 3D tensors."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.num_experts = config.num_local_experts
-        self.hidden_dim = config.hidden_size
-        self.intermediate_dim = config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim)
-        )
-        self.down_proj = nn.Parameter(
-            torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim)
-        )
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-    ) -> torch.Tensor:
-        final_hidden_states = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            expert_mask = torch.nn.functional.one_hot(
-                top_k_index, num_classes=self.num_experts + 1
-            )
-            expert_mask = expert_mask.permute(2, 1, 0)
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-
-        for expert_idx in expert_hit:
-            expert_idx = expert_idx[0]
-            if expert_idx == self.num_experts:
-                continue
-            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-            current_state = hidden_states[token_idx]
-            gate, up = nn.functional.linear(
-                current_state, self.gate_up_proj[expert_idx]
-            ).chunk(2, dim=-1)
-            current_hidden_states = self.act_fn(gate) * up
-            current_hidden_states = nn.functional.linear(
-                current_hidden_states, self.down_proj[expert_idx]
-            )
-            current_hidden_states = (
-                current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
-            )
-            final_hidden_states.index_add_(
-                0, token_idx, current_hidden_states.to(final_hidden_states.dtype)
-            )
-
-        return final_hidden_states
 
 
 class MiMoV2FlashMoE(nn.Module):
@@ -565,10 +462,15 @@ class MiMoV2FlashDecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+    ):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            # the previous layer's residual add, fused into this norm
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
@@ -577,16 +479,12 @@ class MiMoV2FlashDecoderLayer(nn.Module):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        hidden_states = residual + hidden_states
-
-        # Fully Connected
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
+        return hidden_states, residual
 
 
+@support_torch_compile
 class MiMoV2FlashModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -622,7 +520,7 @@ class MiMoV2FlashModel(nn.Module):
             self.norm = PPMissingLayer()
         self.rotary_emb = MiMoV2FlashRotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "residual"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -642,6 +540,7 @@ class MiMoV2FlashModel(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
@@ -659,25 +558,35 @@ class MiMoV2FlashModel(nn.Module):
             position_embeddings[layer_type] = self.rotary_emb(
                 hidden_states, position_ids, layer_type
             )
+        if get_pp_group().is_first_rank:
+            residual = None
         for i, decoder_layer in enumerate(
             islice(self.layers, self.start_layer, self.end_layer),
             start=self.start_layer,
         ):
-            hidden_states = decoder_layer(
+            hidden_states, residual = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask_mapping[self.config.layer_types[i]],
                 position_embeddings=position_embeddings[self.config.layer_types[i]],
                 position_ids=position_ids,
+                residual=residual,
             )
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
-        hidden_states = self.norm(hidden_states)
+            return IntermediateTensors(
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
+            )
+        # the last layer's residual add, fused into the final norm
+        hidden_states, _ = self.norm(hidden_states, residual)
         return (hidden_states)[0]
 
 
-class MiMoV2FlashForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class MiMoV2FlashForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper(
@@ -743,62 +652,4 @@ class MiMoV2FlashForCausalLM(nn.Module, SupportsPP, SupportsQuant):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        stacked: set[str] = set()
-        weights = self._stacked_experts(self.hf_to_vllm_mapper.apply(weights), stacked)
-        return loader.load_weights(weights) | stacked
-
-    # per-expert checkpoint tensors -> the stacked expert parameters the source holds
-    # (transformers' conversion mapping: experts merged along dim 0, projections
-    # concatenated within each expert)
-    expert_stacking = (
-        (
-            re.compile(r"^(.*?)mlp\.experts\.(\d+)\.gate_proj\.weight$"),
-            "mlp.experts.gate_up_proj",
-            0,
-            2,
-        ),
-        (
-            re.compile(r"^(.*?)mlp\.experts\.(\d+)\.up_proj\.weight$"),
-            "mlp.experts.gate_up_proj",
-            1,
-            2,
-        ),
-        (
-            re.compile(r"^(.*?)mlp\.experts\.(\d+)\.down_proj\.weight$"),
-            "mlp.experts.down_proj",
-            0,
-            1,
-        ),
-    )
-
-    def _stacked_experts(self, weights, loaded: set[str]):
-        params = dict(self.named_parameters())
-        for name, tensor in weights:
-            for pattern, target, shard, shards in self.expert_stacking:
-                found = pattern.match(name)
-                if found is None:
-                    continue
-                param_name = found.group(1) + target
-                param = params.get(param_name)
-                if param is None:
-                    # a layer of another pipeline stage, or experts fused into vLLM's
-                    # MoE layer, whose own loader reads per-expert tensors
-                    if not self._on_another_stage(param_name):
-                        yield name, tensor
-                    break
-                expert = int(found.group(2))
-                param.data[expert].chunk(shards, dim=0)[shard].copy_(tensor)
-                loaded.add(param_name)
-                break
-            else:
-                yield name, tensor
-
-    def _on_another_stage(self, name: str) -> bool:
-        parts = name.split(".")
-        for i in range(len(parts), 0, -1):
-            try:
-                module = self.get_submodule(".".join(parts[:i]))
-            except AttributeError:
-                continue
-            return isinstance(module, PPMissingLayer)
-        return False
+        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)

@@ -13,15 +13,17 @@
 #   Fused: post_attention_layernorm (MiniMaxM2DecoderLayer) -> post_attention_layernorm (RMSNorm)
 #   Fused: q_norm (MiniMaxM2Attention) -> q_norm (RMSNorm)
 #   Fused: k_norm (MiniMaxM2Attention) -> k_norm (RMSNorm)
-#   Unfused: native layout (MiniMaxM2ForCausalLM): native analysis failed: RuntimeError: The size of tensor a (64) must match the size of tensor b (256) at non-singleton dimension 0
+#   Fused: residual add + input_layernorm (MiniMaxM2DecoderLayer) -> input_layernorm (RMSNorm(x, residual))
+#   Fused: residual add + post_attention_layernorm (MiniMaxM2DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (MiniMaxM2RotaryEmbedding): copied from the source
-#   Unfused: decoder layer (MiniMaxM2DecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (MiniMaxM2SparseMoeBlock): copied from the source (MiniMaxM2SparseMoeBlock as FusedMoE (renormalize=True): the fused form differs (max rel err 6.5e-01 > 1e-05))
 #   Unfused: module (MiniMaxM2Experts): copied from the source
 #   Unfused: module (MiniMaxM2TopKRouter): copied from the source
 #   Unfused: attention (MiniMaxM2Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: torch.compile (MiniMaxM2Model): off: MiniMaxM2Experts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (MiniMaxM2SparseMoeBlock): MiniMaxM2SparseMoeBlock as FusedMoE (renormalize=True): the fused form differs (max rel err 6.5e-01 > 1e-05)
+#   Refused: attention (MiniMaxM2Attention): proof failed to run: RuntimeError: The size of tensor a (64) must match the size of tensor b (256) at non-singleton dimension 0
+#   Refused: q/k/v projections (MiniMaxM2Attention): the merged layer shards by heads: transformers' TP plan does not shard them column-parallel
 # ======================================================================================
 """Native vLLM implementation of MiniMaxM2ForCausalLM, generated from transformers/models/minimax_m2/modeling_minimax_m2.py."""
 
@@ -47,7 +49,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -420,10 +426,15 @@ class MiniMaxM2DecoderLayer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         past_key_values=None,
+        residual: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+    ):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            # the previous layer's residual add, fused into this norm
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
             position_embeddings=position_embeddings,
@@ -431,12 +442,9 @@ class MiniMaxM2DecoderLayer(nn.Module):
             position_ids=position_ids,
             **kwargs,
         )
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
+        return hidden_states, residual
 
 
 class MiniMaxM2Model(nn.Module):
@@ -474,7 +482,7 @@ class MiniMaxM2Model(nn.Module):
             self.norm = PPMissingLayer()
         self.rotary_emb = MiniMaxM2RotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "residual"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -494,27 +502,38 @@ class MiniMaxM2Model(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
             hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        if get_pp_group().is_first_rank:
+            residual = None
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states = decoder_layer(
+            hidden_states, residual = decoder_layer(
                 hidden_states,
                 attention_mask=None,
                 position_ids=position_ids,
                 position_embeddings=position_embeddings,
+                residual=residual,
             )
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
-        hidden_states = self.norm(hidden_states)
+            return IntermediateTensors(
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
+            )
+        # the last layer's residual add, fused into the final norm
+        hidden_states, _ = self.norm(hidden_states, residual)
         return (hidden_states)[0]
 
 
-class MiniMaxM2ForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class MiniMaxM2ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper(

@@ -12,9 +12,9 @@
 #   Fused: input_layernorm (Ministral3DecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (Ministral3DecoderLayer) -> post_attention_layernorm (RMSNorm)
 #   Fused: gate_proj + up_proj (Ministral3MLP) -> gate_up_proj (MergedColumnParallelLinear)
-#   Unfused: native layout (Ministral3ForCausalLM): Refused: q/k/v projections (Ministral3Attention): `self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2) * get_llama_4_attn_scale( position_ids, self.config.rope_parameters.get("llama_4_scaling_beta"), self.config.rope_parameters.get("original_max_position_embeddings"), ).to(self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2).dtype)` between a projection and attention (no unfused attention form is emitted yet)
+#   Fused: residual add + input_layernorm (Ministral3DecoderLayer) -> input_layernorm (RMSNorm(x, residual))
+#   Fused: residual add + post_attention_layernorm (Ministral3DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (Ministral3RotaryEmbedding): copied from the source
-#   Unfused: decoder layer (Ministral3DecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (Ministral3Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=getattr(self.config, "sliding_window", None))
 #   Refused: q/k/v projections (Ministral3Attention): `self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2) * get_llama_4_attn_scale( position_ids, self.config.rope_parameters.get("llama_4_scaling_beta"), self.config.rope_parameters.get("original_max_position_embeddings"), ).to(self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2).dtype)` between a projection and attention
 # ======================================================================================
@@ -44,7 +44,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -296,10 +300,15 @@ class Ministral3DecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+    ):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            # the previous layer's residual add, fused into this norm
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
@@ -308,14 +317,9 @@ class Ministral3DecoderLayer(nn.Module):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        hidden_states = residual + hidden_states
-
-        # Fully Connected
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
+        return hidden_states, residual
 
 
 class Ministral3RotaryEmbedding(nn.Module):
@@ -406,7 +410,7 @@ class Ministral3Model(nn.Module):
             self.norm = PPMissingLayer()
         self.rotary_emb = Ministral3RotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "residual"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -426,27 +430,38 @@ class Ministral3Model(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
             hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        if get_pp_group().is_first_rank:
+            residual = None
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states = decoder_layer(
+            hidden_states, residual = decoder_layer(
                 hidden_states,
                 attention_mask=None,
                 position_ids=position_ids,
                 position_embeddings=position_embeddings,
+                residual=residual,
             )
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
-        hidden_states = self.norm(hidden_states)
+            return IntermediateTensors(
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
+            )
+        # the last layer's residual add, fused into the final norm
+        hidden_states, _ = self.norm(hidden_states, residual)
         return (hidden_states)[0]
 
 
-class Ministral3ForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class Ministral3ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper(

@@ -8,25 +8,25 @@
 # architecture:  GeneratedMistralForCausalLM -> MistralForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: norm (MistralModel) -> norm (RMSNorm)
 #   Fused: input_layernorm (MistralDecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (MistralDecoderLayer) -> post_attention_layernorm (RMSNorm)
-#   Fused: norm (MistralModel) -> norm (RMSNorm)
-#   Fused: q_proj + k_proj + v_proj (MistralAttention) -> qkv_proj (QKVParallelLinear)
 #   Fused: gate_proj + up_proj (MistralMLP) -> gate_up_proj (MergedColumnParallelLinear)
+#   Fused: q_proj + k_proj + v_proj (MistralAttention) -> qkv_proj (QKVParallelLinear)
 #   Fused: residual add + input_layernorm (MistralDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (MistralDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 # ======================================================================================
 """Native vLLM implementation of MistralForCausalLM, generated from transformers/models/mistral/modeling_mistral.py."""
 
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
 from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import CacheConfig, VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
@@ -96,7 +96,6 @@ class MistralAttention(nn.Module):
         self,
         config,
         layer_idx,
-        cache_config: CacheConfig | None = None,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
     ) -> None:
@@ -149,6 +148,7 @@ class MistralAttention(nn.Module):
             is_neox_style=True,
             rope_parameters=config.rope_parameters,
         )
+        cache_config = get_current_vllm_config().cache_config
         sliding_window = getattr(self.config, "sliding_window", None)
         if (
             sliding_window is None
@@ -156,7 +156,7 @@ class MistralAttention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.num_heads,
@@ -172,29 +172,30 @@ class MistralAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor
     ) -> torch.Tensor:
+        # vLLM's layout: one row per token
+        shape = hidden_states.shape
+        hidden_states = hidden_states.reshape(-1, shape[-1])
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
         attn_output = self.attn(q, k, v)
         output, _ = self.o_proj(attn_output)
-        return output
+        return output.view(*shape[:-1], -1)
 
 
 class MistralDecoderLayer(nn.Module):
     def __init__(
         self,
         config,
-        cache_config: CacheConfig | None = None,
+        layer_idx: int,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ) -> None:
+    ):
         super().__init__()
-        layer_idx = extract_layer_index(prefix)
         self.hidden_size = config.hidden_size
         self.self_attn = MistralAttention(
             config=config,
             layer_idx=layer_idx,
-            cache_config=cache_config,
             quant_config=quant_config,
             prefix=f"{prefix}.self_attn",
         )
@@ -206,17 +207,24 @@ class MistralDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        **kwargs,
+    ):
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             # the previous layer's residual add, fused into this norm
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+        # Self Attention
+        hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
         return hidden_states, residual
@@ -224,23 +232,13 @@ class MistralDecoderLayer(nn.Module):
 
 @support_torch_compile
 class MistralModel(nn.Module):
-    # checkpoint name -> (merged parameter, shard id), from the fusion records
-    hf_to_vllm_mapper = WeightsMapper(
-        orig_to_new_stacked={
-            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
-            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
-            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
-            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
-            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
-        }
-    )
-
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
-        cache_config = vllm_config.cache_config
         quant_config = vllm_config.quant_config
         self.config = config
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
         if get_pp_group().is_first_rank or (
             config.tie_word_embeddings and get_pp_group().is_last_rank
         ):
@@ -256,7 +254,7 @@ class MistralModel(nn.Module):
             config.num_hidden_layers,
             lambda prefix: MistralDecoderLayer(
                 config,
-                cache_config=cache_config,
+                extract_layer_index(prefix),
                 quant_config=quant_config,
                 prefix=prefix,
             ),
@@ -280,41 +278,53 @@ class MistralModel(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        if get_pp_group().is_first_rank:
-            if inputs_embeds is not None:
-                hidden_states = inputs_embeds
-            else:
-                hidden_states = self.embed_input_ids(input_ids)
-            residual = None
-        else:
+        # vLLM runs every request's tokens as one sequence: a batch of one
+        input_ids = input_ids[None] if input_ids is not None else None
+        inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
+        if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
-            hidden_states = intermediate_tensors["hidden_states"]
-            residual = intermediate_tensors["residual"]
-        for layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
+        if get_pp_group().is_first_rank:
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_tokens(input_ids)
+            hidden_states = inputs_embeds
+        if get_pp_group().is_first_rank:
+            residual = None
+        for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
+            hidden_states, residual = decoder_layer(
+                hidden_states, residual=residual, positions=positions
+            )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors(
-                {"hidden_states": hidden_states, "residual": residual}
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
             )
         # the last layer's residual add, fused into the final norm
         hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        return (hidden_states)[0]
 
 
 class MistralForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
     }
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
     }
+    # checkpoint names transformers renames at load (its conversion mapping), and
+    # checkpoint name -> (merged parameter, shard id) from the fusion records
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+        }
+    )
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -325,6 +335,7 @@ class MistralForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         self.model = MistralModel(
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model")
         )
+        self.vocab_size = config.vocab_size
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(
                 config.vocab_size,
@@ -354,8 +365,18 @@ class MistralForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        hidden_states = hidden_states[None]
+        hidden_states = hidden_states
+        # Only compute necessary logits, and do not upcast them to float if we are not computing the loss
+        slice_indices = slice(-0, None)
+        vocab_logits = self.logits_processor(
+            self.lm_head, (hidden_states[:, slice_indices, :])[0]
+        )
+        if vocab_logits is None:  # not the rank that samples
+            return None
+        logits = vocab_logits[None]
+        return (logits)[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights)
+        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)

@@ -11,18 +11,20 @@
 #   Fused: norm (Mistral4Model) -> norm (RMSNorm)
 #   Fused: input_layernorm (Mistral4DecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (Mistral4DecoderLayer) -> post_attention_layernorm (RMSNorm)
+#   Fused: q_a_layernorm (Mistral4Attention) -> q_a_layernorm (RMSNorm)
 #   Fused: kv_a_layernorm (Mistral4Attention) -> kv_a_layernorm (RMSNorm)
 #   Fused: gate_proj + up_proj (Mistral4MLP) -> gate_up_proj (MergedColumnParallelLinear)
-#   Fused: gate_proj + up_proj (Mistral4MLP) -> gate_up_proj (MergedColumnParallelLinear)
-#   Unfused: native layout (Mistral4ForCausalLM): Refused: latent attention (Mistral4Attention): the latent `kv_pass` is not normed once by a proven norm (no unfused attention form is emitted yet)
+#   Fused: gate_proj + up_proj (Mistral4MLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
+#   Fused: residual add + input_layernorm (Mistral4DecoderLayer) -> input_layernorm (RMSNorm(x, residual))
+#   Fused: residual add + post_attention_layernorm (Mistral4DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (Mistral4RotaryEmbedding): copied from the source
-#   Unfused: decoder layer (Mistral4DecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (Mistral4MoE): copied from the source (Mistral4MoE as FusedMoE (renormalize=True): the fused form differs (max rel err 7.1e-01 > 1e-05))
 #   Unfused: module (Mistral4TopkRouter): copied from the source
 #   Unfused: module (Mistral4Experts): copied from the source
 #   Unfused: attention (Mistral4Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: torch.compile (Mistral4Model): off: Mistral4Experts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (Mistral4MoE): Mistral4MoE as FusedMoE (renormalize=True): the fused form differs (max rel err 7.1e-01 > 1e-05)
+#   Refused: latent attention (Mistral4Attention): the latent `kv_pass` is not normed once by a proven norm
 #   Refused: q/k/v projections (Mistral4Attention): `torch.cat((q_pass, q_rot), dim=-1) * get_llama_4_attn_scale( position_ids, self.config.rope_parameters.get("llama_4_scaling_beta"), self.config.rope_parameters.get("original_max_position_embeddings"), ).to(torch.cat((q_pass, q_rot), dim=-1).dtype)` between a projection and attention
 # ======================================================================================
 """Native vLLM implementation of Mistral4ForCausalLM, generated from transformers/models/mistral4/modeling_mistral4.py."""
@@ -52,7 +54,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -647,10 +653,15 @@ class Mistral4DecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+    ):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            # the previous layer's residual add, fused into this norm
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
@@ -659,14 +670,9 @@ class Mistral4DecoderLayer(nn.Module):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        hidden_states = residual + hidden_states
-
-        # Fully Connected
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
+        return hidden_states, residual
 
 
 class Mistral4Model(nn.Module):
@@ -704,7 +710,7 @@ class Mistral4Model(nn.Module):
             self.norm = PPMissingLayer()
         self.rotary_emb = Mistral4RotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "residual"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -724,28 +730,39 @@ class Mistral4Model(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
             hidden_states = inputs_embeds
         # create position embeddings to be shared across the decoder layers
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        if get_pp_group().is_first_rank:
+            residual = None
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states = decoder_layer(
+            hidden_states, residual = decoder_layer(
                 hidden_states,
                 position_embeddings=position_embeddings,
                 attention_mask=None,
                 position_ids=position_ids,
+                residual=residual,
             )
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
-        hidden_states = self.norm(hidden_states)
+            return IntermediateTensors(
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
+            )
+        # the last layer's residual add, fused into the final norm
+        hidden_states, _ = self.norm(hidden_states, residual)
         return (hidden_states)[0]
 
 
-class Mistral4ForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class Mistral4ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper(

@@ -8,30 +8,28 @@
 # architecture:  GeneratedMixtralForCausalLM -> MixtralForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: norm (MixtralModel) -> norm (RMSNorm)
 #   Fused: input_layernorm (MixtralDecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (MixtralDecoderLayer) -> post_attention_layernorm (RMSNorm)
-#   Fused: norm (MixtralModel) -> norm (RMSNorm)
-#   Fused: q_proj + k_proj + v_proj (MixtralAttention) -> qkv_proj (QKVParallelLinear)
 #   Fused: gate + experts (MixtralSparseMoeBlock) -> experts (FusedMoE, softmax top-`config.num_experts_per_tok` of `config.num_local_experts` experts, renormalised)
+#   Fused: q_proj + k_proj + v_proj (MixtralAttention) -> qkv_proj (QKVParallelLinear)
 #   Fused: residual add + input_layernorm (MixtralDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (MixtralDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
-#   Kept: checkpoint name `.block_sparse_moe.` loaded as `.mlp.`, as transformers renames it
-#   Kept: checkpoint name `.experts.<e>.w1.` loaded as `.experts.<e>.gate_proj.`, the per-expert name vLLM's fused MoE loader reads
-#   Kept: checkpoint name `.experts.<e>.w3.` loaded as `.experts.<e>.up_proj.`, the per-expert name vLLM's fused MoE loader reads
-#   Kept: checkpoint name `.experts.<e>.w2.` loaded as `.experts.<e>.down_proj.`, the per-expert name vLLM's fused MoE loader reads
 # ======================================================================================
 """Native vLLM implementation of MixtralForCausalLM, generated from transformers/models/mixtral/modeling_mixtral.py."""
 
 import re
 from collections.abc import Iterable
-from copy import copy
+from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
 from torch import nn
 
+from transformers.core_model_loading import WeightRenaming
+
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import CacheConfig, VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear
@@ -100,7 +98,6 @@ class MixtralAttention(nn.Module):
         self,
         config,
         layer_idx,
-        cache_config: CacheConfig | None = None,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
     ) -> None:
@@ -153,6 +150,7 @@ class MixtralAttention(nn.Module):
             is_neox_style=True,
             rope_parameters=config.rope_parameters,
         )
+        cache_config = get_current_vllm_config().cache_config
         sliding_window = getattr(self.config, "sliding_window", None)
         if (
             sliding_window is None
@@ -160,7 +158,7 @@ class MixtralAttention(nn.Module):
             and cache_config.sliding_window
         ):
             # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = copy(cache_config)
+            cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
             self.num_heads,
@@ -176,32 +174,32 @@ class MixtralAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor
     ) -> torch.Tensor:
+        # vLLM's layout: one row per token
+        shape = hidden_states.shape
+        hidden_states = hidden_states.reshape(-1, shape[-1])
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
         attn_output = self.attn(q, k, v)
         output, _ = self.o_proj(attn_output)
-        return output
+        return output.view(*shape[:-1], -1)
 
 
 class MixtralDecoderLayer(nn.Module):
     def __init__(
         self,
         config,
-        cache_config: CacheConfig | None = None,
+        layer_idx: int,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ) -> None:
+    ):
         super().__init__()
-        layer_idx = extract_layer_index(prefix)
         self.hidden_size = config.hidden_size
+
         self.self_attn = MixtralAttention(
-            config,
-            layer_idx,
-            cache_config=cache_config,
-            quant_config=quant_config,
-            prefix=f"{prefix}.self_attn",
+            config, layer_idx, quant_config=quant_config, prefix=f"{prefix}.self_attn"
         )
+
         self.mlp = MixtralSparseMoeBlock(
             config, quant_config=quant_config, prefix=f"{prefix}.mlp"
         )
@@ -212,17 +210,22 @@ class MixtralDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        residual: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        **kwargs,
+    ):
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             # the previous layer's residual add, fused into this norm
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+        hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
         return hidden_states, residual
@@ -230,21 +233,13 @@ class MixtralDecoderLayer(nn.Module):
 
 @support_torch_compile
 class MixtralModel(nn.Module):
-    # checkpoint name -> (merged parameter, shard id), from the fusion records
-    hf_to_vllm_mapper = WeightsMapper(
-        orig_to_new_stacked={
-            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
-            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
-            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
-        }
-    )
-
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
-        cache_config = vllm_config.cache_config
         quant_config = vllm_config.quant_config
         self.config = config
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
         if get_pp_group().is_first_rank or (
             config.tie_word_embeddings and get_pp_group().is_last_rank
         ):
@@ -260,7 +255,7 @@ class MixtralModel(nn.Module):
             config.num_hidden_layers,
             lambda prefix: MixtralDecoderLayer(
                 config,
-                cache_config=cache_config,
+                extract_layer_index(prefix),
                 quant_config=quant_config,
                 prefix=prefix,
             ),
@@ -284,47 +279,54 @@ class MixtralModel(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        if get_pp_group().is_first_rank:
-            if inputs_embeds is not None:
-                hidden_states = inputs_embeds
-            else:
-                hidden_states = self.embed_input_ids(input_ids)
-            residual = None
-        else:
+        # vLLM runs every request's tokens as one sequence: a batch of one
+        input_ids = input_ids[None] if input_ids is not None else None
+        inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
+        if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
-            hidden_states = intermediate_tensors["hidden_states"]
-            residual = intermediate_tensors["residual"]
-        for layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
+        if get_pp_group().is_first_rank:
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_tokens(input_ids)
+            hidden_states = inputs_embeds
+        if get_pp_group().is_first_rank:
+            residual = None
+        for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
+            hidden_states, residual = decoder_layer(
+                hidden_states, residual=residual, positions=positions
+            )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors(
-                {"hidden_states": hidden_states, "residual": residual}
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
             )
         # the last layer's residual add, fused into the final norm
         hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        return (hidden_states)[0]
 
 
 class MixtralForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-    # checkpoint names transformers renames at load (its conversion mapping)
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
+    # checkpoint names transformers renames at load (its conversion mapping), and
+    # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_renaming=[WeightRenaming([".block_sparse_moe."], [".mlp."])],
         orig_to_new_regex={
             re.compile(r"\.experts\.(\d+)\.w1\."): r".experts.\1.gate_proj.",
             re.compile(r"\.experts\.(\d+)\.w3\."): r".experts.\1.up_proj.",
             re.compile(r"\.experts\.(\d+)\.w2\."): r".experts.\1.down_proj.",
         },
-        orig_to_new_substr={".block_sparse_moe.": ".mlp."},
+        orig_to_new_stacked={
+            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+        },
     )
-    embedding_modules = {
-        "embed_tokens": "input_embeddings",
-        "lm_head": "output_embeddings",
-    }
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -335,6 +337,7 @@ class MixtralForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         self.model = MixtralModel(
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model")
         )
+        self.vocab_size = config.vocab_size
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(
                 config.vocab_size,
@@ -346,6 +349,9 @@ class MixtralForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
                 self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         else:
             self.lm_head = PPMissingLayer()
+        self.router_aux_loss_coef = config.router_aux_loss_coef
+        self.num_experts = config.num_local_experts
+        self.num_experts_per_tok = config.num_experts_per_tok
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = (
             self.model.make_empty_intermediate_tensors
@@ -364,7 +370,17 @@ class MixtralForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        hidden_states = hidden_states[None]
+        hidden_states = hidden_states
+        # Only compute necessary logits, and do not upcast them to float if we are not computing the loss
+        slice_indices = slice(-0, None)
+        vocab_logits = self.logits_processor(
+            self.lm_head, (hidden_states[:, slice_indices, :])[0]
+        )
+        if vocab_logits is None:  # not the rank that samples
+            return None
+        logits = vocab_logits[None]
+        return (logits)[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)

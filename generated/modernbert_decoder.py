@@ -8,14 +8,15 @@
 # architecture:  GeneratedModernBertDecoderForCausalLM -> ModernBertDecoderForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (ModernBertDecoderForCausalLM): Refused: q/k/v projections (ModernBertDecoderAttention): output size `self.all_head_size` is not `<heads> * self.<head_dim>` (no unfused attention form is emitted yet)
 #   Unfused: module (ModernBertDecoderPredictionHead): copied from the source
 #   Unfused: module (ModernBertDecoderRotaryEmbedding): copied from the source
 #   Unfused: decoder layer (ModernBertDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Unfused: module (ModernBertDecoderMLP): copied from the source
+#   Unfused: module (ModernBertDecoderMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (ModernBertDecoderAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
 #   Unfused: module (ModernBertDecoderEmbeddings): copied from the source
+#   Refused: gate/up projections (ModernBertDecoderMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: q/k/v projections (ModernBertDecoderAttention): output size `self.all_head_size` is not `<heads> * self.<head_dim>`
+#   Refused: residual add + norm (ModernBertDecoderLayer): self.attn_norm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of ModernBertDecoderForCausalLM, generated from transformers/models/modernbert_decoder/modeling_modernbert_decoder.py."""
 
@@ -39,7 +40,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -536,9 +541,13 @@ class ModernBertDecoderModel(nn.Module):
         return (hidden_states)[0]
 
 
-class ModernBertDecoderForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class ModernBertDecoderForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {
+        "tok_embeddings": "input_embeddings",
+        "decoder": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

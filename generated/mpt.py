@@ -8,10 +8,10 @@
 # architecture:  GeneratedMptForCausalLM -> MptForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (MptForCausalLM): transformers/models/mpt/modeling_mpt.py: no decoder layer (a class building an attention class) found (is this a transformers causal LM modeling file?)
 #   Unfused: decoder layer (MptBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (MptMLP): copied from the source
 #   Unfused: attention (MptAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5, alibi=alibi_slopes(self.n_heads))
+#   Refused: residual add + norm (MptBlock): forward does not end with `return <hidden states>`
 # ======================================================================================
 """Native vLLM implementation of MptForCausalLM, generated from transformers/models/mpt/modeling_mpt.py."""
 
@@ -34,7 +34,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -371,15 +375,10 @@ class MptModel(nn.Module):
         # vLLM runs every request's tokens as one sequence: a batch of one
         input_ids = input_ids[None] if input_ids is not None else None
         inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
-        position_ids = positions[None]
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
             inputs_embeds = hidden_states
-        if input_ids is not None:
-            batch_size, seq_length = input_ids.shape
-        elif inputs_embeds is not None:
-            batch_size, seq_length, _ = inputs_embeds.shape
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.wte(input_ids)
@@ -407,9 +406,10 @@ class MptModel(nn.Module):
         )
 
 
-class MptForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class MptForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {"wte": "input_embeddings", "lm_head": "output_embeddings"}
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

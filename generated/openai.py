@@ -8,10 +8,10 @@
 # architecture:  GeneratedOpenAIGPTLMHeadModel -> OpenAIGPTLMHeadModel
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (OpenAIGPTLMHeadModel): transformers/models/openai/modeling_openai.py: no decoder layer (a class building an attention class) found (is this a transformers causal LM modeling file?)
 #   Unfused: decoder layer (Block): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (MLP): copied from the source
 #   Unfused: attention (Attention): kept as the source computes it; its own attention core -> vLLM Attention (scale=(config.hidden_size // config.num_attention_heads) ** -0.5)
+#   Refused: residual add + norm (Block): `attn_outputs = self.attn(` does not save the residual stream
 # ======================================================================================
 """Native vLLM implementation of OpenAIGPTLMHeadModel, generated from transformers/models/openai/modeling_openai.py."""
 
@@ -32,7 +32,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -297,9 +301,13 @@ class OpenAIGPTModel(nn.Module):
         return (hidden_states)[0]
 
 
-class OpenAIGPTLMHeadModel(nn.Module, SupportsPP, SupportsQuant):
+class OpenAIGPTLMHeadModel(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {
+        "tokens_embed": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

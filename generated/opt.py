@@ -8,11 +8,11 @@
 # architecture:  GeneratedOPTForCausalLM -> OPTForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (OPTForCausalLM): Refused: q/k/v projections (OPTAttention): `self.q_proj(hidden_states) * self.scaling` between a projection and attention (no unfused attention form is emitted yet)
 #   Unfused: decoder layer (OPTDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (OPTAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=1.0)
 #   Unfused: module (OPTLearnedPositionalEmbedding): copied from the source
 #   Refused: q/k/v projections (OPTAttention): `self.q_proj(hidden_states) * self.scaling` between a projection and attention
+#   Refused: residual add + norm (OPTDecoderLayer): `# 125m, 1.7B, ..., 175B applies layer norm BEFORE attention` is not a norm of the saved stream
 # ======================================================================================
 """Native vLLM implementation of OPTForCausalLM, generated from transformers/models/opt/modeling_opt.py."""
 
@@ -36,7 +36,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -481,9 +485,13 @@ class OPTModel(nn.Module):
         return self.decoder(input_ids, positions, intermediate_tensors, inputs_embeds)
 
 
-class OPTForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class OPTForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

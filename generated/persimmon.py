@@ -8,12 +8,13 @@
 # architecture:  GeneratedPersimmonForCausalLM -> PersimmonForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (PersimmonForCausalLM): Refused: q/k/v projections (PersimmonAttention): query_states is assigned twice (no unfused attention form is emitted yet)
 #   Unfused: module (PersimmonRotaryEmbedding): copied from the source
 #   Unfused: decoder layer (PersimmonDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Unfused: module (PersimmonMLP): copied from the source
+#   Unfused: module (PersimmonMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (PersimmonAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Refused: gate/up projections (PersimmonMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: q/k/v projections (PersimmonAttention): query_states is assigned twice
+#   Refused: residual add + norm (PersimmonDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of PersimmonForCausalLM, generated from transformers/models/persimmon/modeling_persimmon.py."""
 
@@ -37,7 +38,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -490,9 +495,13 @@ class PersimmonModel(nn.Module):
         return (hidden_states)[0]
 
 
-class PersimmonForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class PersimmonForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

@@ -8,12 +8,13 @@
 # architecture:  GeneratedPhiForCausalLM -> PhiForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (PhiForCausalLM): Refused: q/k/v projections (PhiAttention): query_states is assigned twice (no unfused attention form is emitted yet)
 #   Unfused: module (PhiRotaryEmbedding): copied from the source
 #   Unfused: decoder layer (PhiDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Unfused: module (PhiMLP): copied from the source
+#   Unfused: module (PhiMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (PhiAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Refused: gate/up projections (PhiMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: q/k/v projections (PhiAttention): query_states is assigned twice
+#   Refused: residual add + norm (PhiDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of PhiForCausalLM, generated from transformers/models/phi/modeling_phi.py."""
 
@@ -37,7 +38,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -458,9 +463,13 @@ class PhiModel(nn.Module):
         return (hidden_states)[0]
 
 
-class PhiForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class PhiForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

@@ -13,10 +13,11 @@
 #   Fused: post_attention_layernorm (SmolLM3DecoderLayer) -> post_attention_layernorm (RMSNorm)
 #   Fused: gate_proj + up_proj (SmolLM3MLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: q_proj + k_proj + v_proj (SmolLM3Attention) -> qkv_proj (QKVParallelLinear)
-#   Unfused: native layout (SmolLM3ForCausalLM): Refused: attention projections (SmolLM3Attention): query (merged GEMM, head norm, rope): the fused form differs (max rel err 1.5e+00 > 1e-05) (no unfused attention form is emitted yet)
+#   Fused: residual add + input_layernorm (SmolLM3DecoderLayer) -> input_layernorm (RMSNorm(x, residual))
+#   Fused: residual add + post_attention_layernorm (SmolLM3DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (SmolLM3RotaryEmbedding): copied from the source
-#   Unfused: decoder layer (SmolLM3DecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (SmolLM3Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
+#   Refused: attention (SmolLM3Attention): not vLLM's own layout: query (merged GEMM, head norm, rope): the fused form differs (max rel err 1.7e+00 > 1e-05)
 # ======================================================================================
 """Native vLLM implementation of SmolLM3ForCausalLM, generated from transformers/models/smollm3/modeling_smollm3.py."""
 
@@ -44,7 +45,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -327,10 +332,15 @@ class SmolLM3DecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+    ):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            # the previous layer's residual add, fused into this norm
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
@@ -339,14 +349,9 @@ class SmolLM3DecoderLayer(nn.Module):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        hidden_states = residual + hidden_states
-
-        # Fully Connected
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
+        return hidden_states, residual
 
 
 @support_torch_compile
@@ -386,7 +391,7 @@ class SmolLM3Model(nn.Module):
         self.rotary_emb = SmolLM3RotaryEmbedding(config=config)
         self.has_sliding_layers = "sliding_attention" in self.config.layer_types
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "residual"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -406,6 +411,7 @@ class SmolLM3Model(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
@@ -419,27 +425,37 @@ class SmolLM3Model(nn.Module):
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        if get_pp_group().is_first_rank:
+            residual = None
         for i, decoder_layer in enumerate(
             islice(self.layers, self.start_layer, self.end_layer),
             start=self.start_layer,
         ):
-            hidden_states = decoder_layer(
+            hidden_states, residual = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask_mapping[self.config.layer_types[i]],
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
+                residual=residual,
             )
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
-        hidden_states = self.norm(hidden_states)
+            return IntermediateTensors(
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
+            )
+        # the last layer's residual add, fused into the final norm
+        hidden_states, _ = self.norm(hidden_states, residual)
         return (hidden_states)[0]
 
 
-class SmolLM3ForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class SmolLM3ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {
         "gate_up_proj": ["gate_proj", "up_proj"],
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    }
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
     }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records

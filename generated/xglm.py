@@ -8,11 +8,11 @@
 # architecture:  GeneratedXGLMForCausalLM -> XGLMForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: native layout (XGLMForCausalLM): transformers/models/xglm/modeling_xglm.py: no decoder layer (a class building an attention class) found (is this a transformers causal LM modeling file?)
 #   Unfused: decoder layer (XGLMDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (XGLMAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=1.0)
 #   Unfused: module (XGLMSinusoidalPositionalEmbedding): copied from the source
-#   Unfused: module (XGLMScaledWordEmbedding): copied from the source
+#   Kept: embedding (XGLMScaledWordEmbedding): copied from the source onto VocabParallelEmbedding (sharded over the vocabulary as vLLM's own)
+#   Refused: residual add + norm (XGLMDecoderLayer): self.self_attn_layer_norm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of XGLMForCausalLM, generated from transformers/models/xglm/modeling_xglm.py."""
 
@@ -37,7 +37,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -502,9 +506,13 @@ class XGLMModel(nn.Module):
         return (hidden_states)[0]
 
 
-class XGLMForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class XGLMForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {}
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper()

@@ -11,12 +11,14 @@
 #   Fused: norm (YoutuModel) -> norm (RMSNorm)
 #   Fused: input_layernorm (YoutuDecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (YoutuDecoderLayer) -> post_attention_layernorm (RMSNorm)
+#   Fused: q_a_layernorm (YoutuAttention) -> q_a_layernorm (RMSNorm)
 #   Fused: kv_a_layernorm (YoutuAttention) -> kv_a_layernorm (RMSNorm)
 #   Fused: gate_proj + up_proj (YoutuMLP) -> gate_up_proj (MergedColumnParallelLinear)
-#   Unfused: native layout (YoutuForCausalLM): vLLM does not set up youtu for latent attention (its MLA model types), so its attention cannot be vLLM's MLA layer
+#   Fused: residual add + input_layernorm (YoutuDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
+#   Fused: residual add + post_attention_layernorm (YoutuDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (YoutuRotaryEmbedding): copied from the source
-#   Unfused: decoder layer (YoutuDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (YoutuAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Refused: latent attention (YoutuAttention): vLLM does not set up youtu for latent attention (its MLA model types)
 #   Refused: q/k/v projections (YoutuAttention): `.cat(...)` between a projection and attention
 # ======================================================================================
 """Native vLLM implementation of YoutuForCausalLM, generated from transformers/models/youtu/modeling_youtu.py."""
@@ -45,7 +47,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -483,10 +489,15 @@ class YoutuDecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+    ):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            # the previous layer's residual add, fused into this norm
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
@@ -495,14 +506,9 @@ class YoutuDecoderLayer(nn.Module):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        hidden_states = residual + hidden_states
-
-        # Fully Connected
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
+        return hidden_states, residual
 
 
 @support_torch_compile
@@ -541,7 +547,7 @@ class YoutuModel(nn.Module):
             self.norm = PPMissingLayer()
         self.rotary_emb = YoutuRotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "residual"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -561,27 +567,38 @@ class YoutuModel(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
             hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        if get_pp_group().is_first_rank:
+            residual = None
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states = decoder_layer(
+            hidden_states, residual = decoder_layer(
                 hidden_states,
                 attention_mask=None,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
+                residual=residual,
             )
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
-        hidden_states = self.norm(hidden_states)
+            return IntermediateTensors(
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
+            )
+        # the last layer's residual add, fused into the final norm
+        hidden_states, _ = self.norm(hidden_states, residual)
         return (hidden_states)[0]
 
 
-class YoutuForCausalLM(nn.Module, SupportsPP, SupportsQuant):
+class YoutuForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    embedding_modules = {
+        "embed_tokens": "input_embeddings",
+        "lm_head": "output_embeddings",
+    }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
     hf_to_vllm_mapper = WeightsMapper(

@@ -96,7 +96,7 @@ def run_one(name: str, backend: bool) -> dict:
     row.update(
         layout=plan.layout,
         fused=[r.describe() for r in plan.records],
-        unfused=[u.describe() for u in plan.unfused],
+        unfused=[u.describe() for u in plan.unfused if not u.kept],
         refusals=[r.describe() for r in plan.refusals],
         apply_s=round(time.time() - start, 1),
     )
@@ -358,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.models and args.update:  # the rerun rows into the full table
         full = json.loads(OUT_JSON.read_text())
         rerun = {r["file"]: {**r, "rerun": True} for r in rows_list}
+        if args.no_backend:  # the backend's result does not depend on this toolkit
+            for old in full["rows"]:
+                if old["file"] in rerun:
+                    rerun[old["file"]]["backend"] = old.get("backend")
         full["rows"] = [rerun.get(r["file"], r) for r in full["rows"]]
         full["rerun_seconds"] = full.get("rerun_seconds", 0) + seconds
         OUT_JSON.write_text(json.dumps(full, indent=1))

@@ -53,8 +53,12 @@ def test_main_is_current_and_the_second_run_is_cached(tmp_path):
 def test_a_hand_edit_fails_with_a_diff_and_fix_restores_it(tmp_path):
     out = copy_generated(tmp_path)
     edited = out / "qwen3.py"
+    original = edited.read_text()
+    assert original.count("        return hidden_states, residual\n") == 1
     edited.write_text(
-        edited.read_text().replace("return output\n", "return output * 1.0\n", 1)
+        original.replace(
+            "return hidden_states, residual\n", "return hidden_states * 1.0, residual\n"
+        )
     )
     result = run_cli("codemods.check", "--generated", str(out))
     assert result.returncode == 1
@@ -63,8 +67,8 @@ def test_a_hand_edit_fails_with_a_diff_and_fix_restores_it(tmp_path):
         in result.stderr
     )
     assert (
-        "-        return output * 1.0" in result.stdout
-        and "+        return output" in result.stdout
+        "-        return hidden_states * 1.0, residual" in result.stdout
+        and "+        return hidden_states, residual" in result.stdout
     )
     assert (
         result.stderr.strip().splitlines()[-1]

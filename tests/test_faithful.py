@@ -1,5 +1,6 @@
-"""The faithful tier, engine-free: what the copy folds and keeps, what the probes read
-from real sources, and where it refuses."""
+"""Copied classes, engine-free: what the copy folds and keeps, what the probes read from
+real sources, and where it refuses. `--disable attention` keeps the source's attention
+class as it computes it, so the copy itself is what these tests see."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from conftest import edited_modeling_file, run_cli
 
-from codemods.faithful.simplify import simplify_function
+from codemods.copying.simplify import simplify_function
 
 
 def _fold(src: str, known=None, not_none=frozenset()) -> str:
@@ -78,7 +79,12 @@ def test_known_not_none_names_decide_their_tests():
 def faithful_llama(tmp_path_factory):
     out = tmp_path_factory.mktemp("faithful")
     result = run_cli(
-        "codemods.apply", "modeling_llama.py", "--faithful", "--out", str(out)
+        "codemods.apply",
+        "modeling_llama.py",
+        "--disable",
+        "attention",
+        "--out",
+        str(out),
     )
     assert result.returncode == 0, result.stderr
     return result.stderr, (out / "llama.py").read_text()
@@ -95,9 +101,7 @@ def test_faithful_llama_keeps_the_source_and_fuses_the_proven_parts(faithful_lla
         assert line in report
     # the rest as the source computes it, reported
     assert "Unfused: attention (LlamaAttention)" in report
-    assert (
-        "Unfused: native layout (LlamaForCausalLM): requested with --faithful" in report
-    )
+    assert "Unfused: module (LlamaRotaryEmbedding)" in report
     # the source's rotary code, its attention call handed to vLLM
     assert "class LlamaRotaryEmbedding(nn.Module):" in text
     assert "def apply_rotary_pos_emb(" in text
@@ -113,7 +117,8 @@ def apply_faithful(path, out):
     return run_cli(
         "codemods.apply",
         str(path),
-        "--faithful",
+        "--disable",
+        "attention",
         "--trust-remote-code",
         "--out",
         str(out),

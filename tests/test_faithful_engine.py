@@ -21,7 +21,9 @@ from conftest import run_cli, verify_in_one_process
 pytestmark = pytest.mark.engine
 
 KINDS = ["granite_swa", "afmoe", "phi", "gpt2"]
-TP1 = KINDS + ["bloom", "gpt_neo", "opt", "axk1", "cohere2_moe"]
+# granite_swa, afmoe, gpt2, bloom and gpt_neo verify at TP=1 unedited beside their
+# able-to-fail copies (test_able_to_fail.py): not run twice
+TP1 = ["phi", "opt", "axk1", "cohere2_moe"]
 
 
 def test_every_kind_verifies_at_tp1():

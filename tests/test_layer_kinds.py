@@ -25,14 +25,12 @@ GENERATED = sorted(
 
 def _source(name: str):
     from codemods import loading
-    from codemods.faithful.generate import pick_causal
+    from codemods.roles import causal_class
     from codemods.source import load
-    from codemods.structure import class_infos
 
     src = load(name)
     pymodule = loading.load_module(src, trust_remote_code=True)
-    classes = class_infos(src.module)
-    return src, classes, pick_causal(pymodule, classes, src)
+    return src, src.classes, causal_class(pymodule, src.classes, src)
 
 
 def _cover(name: str):
@@ -131,7 +129,7 @@ def test_every_committed_model_reaches_its_length_regimes(monkeypatch):
     computes past verify's prompts; and without the shrink rule (able to fail) ModernBERT
     decoder's 64-token window and Llama 4's 8192-token chunks are found."""
     from codemods import length_regimes, tiny, verify
-    from codemods.faithful.probe import PROBE_TOKENS
+    from codemods.probe import PROBE_TOKENS
 
     assert length_regimes.SMALL < min(max(verify.PROMPT_LENGTHS), PROBE_TOKENS)
     for model in GENERATED:
@@ -156,7 +154,8 @@ def test_a_window_longer_than_the_probe_is_read_from_the_source():
     from vllm.config import VllmConfig, set_current_vllm_config
 
     from codemods import tiny
-    from codemods.faithful import attention, probe
+    from codemods import probe
+    from codemods.copying import attention
 
     src, classes, causal = _source("modeling_modernbert_decoder.py")
     values = {
@@ -181,7 +180,7 @@ def test_a_window_longer_than_the_probe_is_read_from_the_source():
 def test_mask_kinds():
     import torch
 
-    from codemods.faithful.attention import mask_kind
+    from codemods.copying.attention import mask_kind
 
     i = torch.arange(12)[:, None]
     j = torch.arange(12)[None, :]

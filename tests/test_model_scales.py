@@ -1,83 +1,75 @@
-"""The patterns that keep the source's arithmetic outside the fusions (embedding and
-logits scales, soft-caps, residual multipliers, sandwich norms) and read packed
-projections, on real transformers sources and edited copies. Engine-free: matching only.
+"""The source's arithmetic outside the fusions (embedding and logits scales, soft-caps,
+residual multipliers, sandwich norms) stays where the source has it, and packed
+projections are read as packed, on the committed files and on edited copies.
+Engine-free.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from conftest import edited_modeling_file
 
-from codemods.errors import CodemodError
-from fusion_patterns.base import code
-from codemods.plan import plan
-from codemods.source import load
-from codemods.structure import analyse
+from codemods.pipeline import generate
+
+GENERATED = Path(__file__).resolve().parents[1] / "generated"
 
 
-def edited(tmp_path, name: str, old: str, new: str):
-    return load(str(edited_modeling_file(tmp_path, name, old, new)))
+def forward_of(text: str, cls: str) -> str:
+    """The text of `cls`'s forward in a generated file."""
+    import libcst as cst
+    import libcst.matchers as m
 
-
-def test_granite_multipliers_are_read_from_the_source():
-    s = analyse(load("modeling_granite.py"))
-    assert [b.multiplier for b in s.layer_spec.blocks] == [
-        "self.residual_multiplier"
-    ] * 2
-    assert s.embed_scale.factor == "self.embedding_multiplier"
-    assert not s.embed_scale.in_embedding  # applied to given inputs_embeds too
-    assert s.embed_scale.init_lines == (
-        "self.embedding_multiplier = config.embedding_multiplier",
-    )
-    assert (s.logits.scale, s.logits.soft_cap) == (
-        "1.0 / (self.config.logits_scaling)",
-        None,
-    )
-
-
-def test_gemma2_sandwich_norms_and_soft_cap():
-    s = analyse(load("modeling_gemma2.py"))
-    assert [(b.norm, b.post_norms) for b in s.layer_spec.blocks] == [
-        ("input_layernorm", ("post_attention_layernorm",)),
-        ("pre_feedforward_layernorm", ("post_feedforward_layernorm",)),
+    (node,) = [
+        c for c in cst.parse_module(text).body if m.matches(c, m.ClassDef(m.Name(cls)))
     ]
-    assert s.logits.soft_cap == "self.config.final_logit_softcapping"
-    assert s.logits.scale is None
-    # the scale lives in the embedding class, taken from its construction
-    assert s.embed_scale.in_embedding and s.embed_scale.cast
-    assert s.embed_scale.init_lines == (
-        "self.embed_scale = self.config.hidden_size**0.5",
-    )
+    (fwd,) = [
+        f for f in node.body.body if m.matches(f, m.FunctionDef(m.Name("forward")))
+    ]
+    return cst.Module(body=[fwd]).code
 
 
-def test_gemma3_head_norms_and_rope_per_layer_type():
-    s = analyse(load("modeling_gemma3.py"))
-    assert s.attention.q_norm.attr == "q_norm" and s.attention.k_norm.attr == "k_norm"
-    assert s.rope_by_layer_type
-    # llama indexes rope_parameters by string keys only: one rope for all layers
-    assert not analyse(load("modeling_llama.py")).rope_by_layer_type
+def test_granite_multipliers_stay_where_the_source_applies_them():
+    """Every multiplier of the source is in the generated forward, in its place: the
+    residual multiplier on each sublayer's output before the fused residual add."""
+    text = (GENERATED / "granite.py").read_text()
+    layer = forward_of(text, "GraniteDecoderLayer")
+    assert layer.count("hidden_states = hidden_states * self.residual_multiplier") == 2
+    assert layer.index("self.self_attn(") < layer.index("residual_multiplier")
+    assert "inputs_embeds = inputs_embeds * self.embedding_multiplier" in text
+    assert "logits = logits / self.config.logits_scaling" in text
+    assert "self.scaling = config.attention_multiplier" in text
 
 
-def test_phi3_packed_projections_stack_nothing():
-    p = plan(analyse(load("modeling_phi3.py")))
-    assert p.structure.attention.packed and p.structure.mlps["Phi3MLP"].packed
-    assert p.packed_modules_mapping() == {
+def test_gemma2_sandwich_norms_and_soft_caps():
+    text = (GENERATED / "gemma2.py").read_text()
+    layer = forward_of(text, "Gemma2DecoderLayer")
+    # the post-norms stay on each sublayer's output, the pre-norms take the residual
+    flat = "".join(layer.split())
+    assert "self.post_attention_layernorm(hidden_states)" in flat
+    assert "self.post_feedforward_layernorm(hidden_states)" in flat
+    assert "self.pre_feedforward_layernorm(hidden_states,residual)" in flat
+    assert "logits = torch.tanh(logits)" in text
+    assert "logits_soft_cap=self.attn_logit_softcapping" in text
+
+
+def test_packed_projections_stack_nothing():
+    """Phi-3's checkpoint holds qkv_proj and gate_up_proj already merged; GPT-NeoX's
+    holds q/k/v interleaved per head: mapped to themselves, nothing stacked."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):
+        plan, _ = generate("modeling_phi3.py")
+    assert plan.packed_modules_mapping() == {
         "qkv_proj": ["qkv_proj"],
         "gate_up_proj": ["gate_up_proj"],
     }
-    assert p.stacked_params() == []
-
-
-def test_gpt_neox_per_head_packing_is_reordered_at_load():
-    p = plan(analyse(load("modeling_gpt_neox.py")))
-    attention = p.structure.attention
-    assert attention.packed and attention.interleaved
-    assert attention.merged == "query_key_value"
-    # heads derived from the source's own sizes: 3 * hidden_size over 3 * head_size
-    assert code(attention.num_heads) == "(config.hidden_size) // self.head_size"
-    assert p.packed_modules_mapping() == {"query_key_value": ["query_key_value"]}
-    assert p.stacked_params() == []
+    assert plan.stacked_params() == []
+    neox = (GENERATED / "gpt_neox.py").read_text()
+    assert 'packed_modules_mapping = {"query_key_value": ["query_key_value"]}' in neox
+    assert "packed per head in the checkpoint, reordered at load" in neox
 
 
 def test_reorder_interleaved_gives_q_k_v_blocks():
@@ -107,77 +99,56 @@ def test_reorder_interleaved_gives_q_k_v_blocks():
 
 
 @pytest.mark.parametrize(
-    "name, old, new, reason",
+    "name, old, new, kept",
     [
-        (
-            "modeling_gemma2.py",
-            "        if self.config.final_logit_softcapping is not None:",
-            "        logits = logits * 2.0\n"
-            "        if self.config.final_logit_softcapping is not None:",
-            "before a soft-cap",
-        ),
         (
             "modeling_gemma2.py",
             "            logits = torch.tanh(logits)\n",
             "            logits = torch.sigmoid(logits)\n",
-            "on the logits",
+            "logits = torch.sigmoid(logits)",
         ),
         (
             "modeling_granite.py",
             "inputs_embeds = inputs_embeds * self.embedding_multiplier",
             "inputs_embeds = inputs_embeds / self.embedding_multiplier",
-            "divides the embeddings",
-        ),
-        (
-            "modeling_granite.py",
-            "        hidden_states = self.norm(hidden_states)\n",
-            "        hidden_states = self.norm(hidden_states) * 2\n",
-            "on the model's streams",
+            "inputs_embeds = inputs_embeds / self.embedding_multiplier",
         ),
         (
             "modeling_granite.py",
             "        hidden_states = outputs.last_hidden_state\n",
             "        hidden_states = outputs.last_hidden_state * 0.5\n",
-            "before the head",
+            "hidden_states = hidden_states * 0.5",  # in compute_logits
         ),
     ],
 )
-def test_unhandled_arithmetic_refuses_generation(tmp_path, name, old, new, reason):
-    with pytest.raises(CodemodError, match=reason):
-        analyse(edited(tmp_path, name, old, new))
+def test_arithmetic_no_pattern_knows_is_generated_as_the_source_writes_it(
+    tmp_path, name, old, new, kept
+):
+    """An edit no pattern was written for is neither refused nor dropped: the generated
+    file computes it where the source does."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    path = edited_modeling_file(tmp_path, name, old, new)
+    with set_current_vllm_config(VllmConfig()):
+        _, text = generate(str(path), trust_remote_code=True)
+    assert kept in text
 
 
-def test_a_plain_embedding_class_leaves_the_scale_to_the_forward(tmp_path):
-    s = analyse(
-        edited(
-            tmp_path,
-            "modeling_gemma.py",
-            "        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)",
-            "        return super().forward(input_ids)",
-        )
+def test_a_residual_multiplier_reading_the_stream_is_kept(tmp_path):
+    """A multiplier no pattern knows (it reads the residual stream) stays in the
+    generated layer; the other parts are still fused."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    path = edited_modeling_file(
+        tmp_path,
+        "modeling_granite.py",
+        "hidden_states = residual + hidden_states * self.residual_multiplier\n"
+        "\n        residual",
+        "hidden_states = residual + hidden_states * residual.mean(-1, keepdim=True)\n"
+        "\n        residual",
     )
-    assert s.embed_scale is None  # neither scales: nothing kept
-    s = analyse(
-        edited(
-            tmp_path,
-            "modeling_granite.py",
-            "inputs_embeds = inputs_embeds * self.embedding_multiplier",
-            "inputs_embeds = 2.0 * inputs_embeds",
-        )
-    )
-    assert (s.embed_scale.factor, s.embed_scale.init_lines) == ("2.0", ())
-
-
-def test_residual_multiplier_reading_more_than_self_refuses_the_fusion(tmp_path):
-    s = analyse(
-        edited(
-            tmp_path,
-            "modeling_granite.py",
-            "hidden_states = residual + hidden_states * self.residual_multiplier\n"
-            "\n        residual",
-            "hidden_states = residual + hidden_states * position_ids\n"
-            "\n        residual",
-        )
-    )
-    assert s.layer_spec is None
-    assert any("reads more than `self`" in r.reason for r in s.refusals)
+    with set_current_vllm_config(VllmConfig()):
+        plan, text = generate(str(path), trust_remote_code=True)
+    assert "hidden_states * residual.mean(-1, keepdim=True)" in text
+    report = plan.report()
+    assert any(line.startswith("Fused: q_proj + k_proj + v_proj") for line in report)

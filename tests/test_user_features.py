@@ -254,6 +254,8 @@ def test_the_openai_server_serves_the_generated_model_and_an_adapter(cases, tmp_
 
     offline = cases["lora-dense"]
     assert offline["ok"], offline.get("error")
+    # the adapter changes the tokens: serving the base model for it would be caught
+    assert offline["adapter_tokens"] != offline["base_tokens"]
     ckpt, adapter = cases["_dirs"]["checkpoint"], cases["_dirs"]["adapter"]
     port = free_port()
     log = (tmp_path / "server.log").open("w")

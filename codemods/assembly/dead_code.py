@@ -17,7 +17,7 @@ import libcst.matchers as m
 
 from fusion_patterns.base import code
 
-from ..copying.simplify import loads, stores
+from ..copying.simplify import loads
 
 
 def prune(pieces: dict[str, str], roles, keep: set[str]) -> set[str]:
@@ -78,6 +78,10 @@ class _PruneBase(cst.CSTTransformer):
             if m.findall(loop.iter, m.Call(func=m.Name("islice")))
             for n in m.findall(loop.target, m.Name())
         }
+        self.params = {
+            p.name.value
+            for p in [*updated.params.params, *updated.params.kwonly_params]
+        }
         body = updated.body.visit(_DropKeywords(self.unread, layer_vars))
         stmts = list(body.body)
         while True:
@@ -95,21 +99,49 @@ class _PruneBase(cst.CSTTransformer):
         return updated.with_changes(body=body.with_changes(body=stmts))
 
     def _dead(self, stmt, rest: cst.Module) -> bool:
-        if not m.matches(stmt, m.SimpleStatementLine([m.Assign()])):
+        """Nothing after `stmt` reads what it binds, and running it does nothing else:
+        it only binds local names (or items of them) and only calls parameter-free
+        modules of the base model or builtins and methods that change nothing (a mask's
+        keyword dict, a rotary table per layer type filled in a loop)."""
+        found = _local_stores(stmt)
+        if not found:
             return False
-        value = stmt.body[0].value
-        calls = m.findall(value, m.Call())
-        pure = all(
-            m.matches(c.func, m.Attribute(value=m.Name("self")))
-            and c.func.attr.value in self.stateless
-            for c in calls
-        )
-        return pure and not (stores(stmt) & set(loads(rest)))
+        # an item set on a parameter changes the caller's object
+        if {n[1:] for n in found if n.startswith("[")} & self.params:
+            return False
+        bound = {n.lstrip("[") for n in found}
+        return self._pure_calls(stmt, bound) and not (bound & set(loads(rest)))
+
+    def _pure_calls(self, stmt, bound: set[str]) -> bool:
+        lazy = {
+            id(c)
+            for lam in m.findall(stmt, m.Lambda())
+            for c in m.findall(lam, m.Call())
+        }
+        for c in m.findall(stmt, m.Call()):
+            if id(c) in lazy:  # a lambda's body does not run where it is defined
+                continue
+            f = c.func
+            if m.matches(f, m.Attribute(value=m.Name("self"))):
+                if f.attr.value not in self.stateless:
+                    return False
+            elif m.matches(f, m.Name()):
+                if f.value not in _PURE_BUILTINS:
+                    return False
+            elif not (
+                m.matches(f, m.Attribute(value=m.Name()))
+                and f.value.value != "self"
+                and f.attr.value in _PURE_METHODS
+            ):
+                return False
+        return True
 
     def leave_ClassDef(self, original, updated: cst.ClassDef):
         targets = {
             id(t.target)
-            for t in m.findall(updated, m.AssignTarget(m.Attribute(value=m.Name("self"))))
+            for t in m.findall(
+                updated, m.AssignTarget(m.Attribute(value=m.Name("self")))
+            )
         }
         used = {
             a.attr.value
@@ -117,6 +149,70 @@ class _PruneBase(cst.CSTTransformer):
             if id(a) not in targets
         }
         return updated.visit(_DropConstructions(self.stateless - used))
+
+
+_PURE_BUILTINS = {"set", "dict", "list", "tuple", "len", "range", "enumerate", "zip"}
+_PURE_METHODS = {"copy", "get", "items", "keys", "values"}
+
+
+def _local_stores(stmt) -> set[str] | None:
+    """The local names `stmt` binds or whose items it sets; None when it does anything
+    else (a call as a statement, an attribute set, a return, a `del`...)."""
+    if isinstance(stmt, cst.SimpleStatementLine):
+        out: set[str] = set()
+        for small in stmt.body:
+            if isinstance(small, cst.Assign):
+                targets = [t.target for t in small.targets]
+            elif isinstance(small, (cst.AugAssign, cst.AnnAssign)):
+                targets = [small.target]
+            else:
+                return None
+            for t in targets:
+                names = _bound_names(t)
+                if names is None:
+                    return None
+                out |= names
+        return out
+    if isinstance(stmt, cst.For) and stmt.orelse is None:
+        inner = _block_stores(stmt.body)
+        target = _bound_names(stmt.target)
+        return None if inner is None or target is None else inner | target
+    if isinstance(stmt, cst.If):
+        inner = _block_stores(stmt.body)
+        other = (
+            _local_stores(stmt.orelse)
+            if isinstance(stmt.orelse, cst.If)
+            else (_block_stores(stmt.orelse.body) if stmt.orelse is not None else set())
+        )
+        return None if inner is None or other is None else inner | other
+    return None
+
+
+def _block_stores(block) -> set[str] | None:
+    out: set[str] = set()
+    for s in block.body:
+        found = _local_stores(s)
+        if found is None:
+            return None
+        out |= found
+    return out
+
+
+def _bound_names(target) -> set[str] | None:
+    if isinstance(target, cst.Name):
+        return {target.value}
+    if isinstance(target, cst.Subscript) and isinstance(target.value, cst.Name):
+        # "[" marks an item set: the object is changed, not rebound
+        return {"[" + target.value.value} if target.value.value != "self" else None
+    if isinstance(target, (cst.Tuple, cst.List)):
+        out: set[str] = set()
+        for e in target.elements:
+            names = _bound_names(e.value)
+            if names is None:
+                return None
+            out |= names
+        return out
+    return None
 
 
 class _DropKeywords(cst.CSTTransformer):
@@ -158,7 +254,9 @@ class _DropConstructions(cst.CSTTransformer):
                             m.AssignTarget(
                                 m.Attribute(
                                     value=m.Name("self"),
-                                    attr=m.Name(m.MatchIfTrue(lambda a: a in self.attrs)),
+                                    attr=m.Name(
+                                        m.MatchIfTrue(lambda a: a in self.attrs)
+                                    ),
                                 )
                             )
                         ]

@@ -34,11 +34,13 @@ class Unfused:
     source_class: str
     what: str
     reason: str
+    # copied, and as fast and as sharded as vLLM's own form (an embedding on
+    # VocabParallelEmbedding): reported, but the layout stays native
+    kept: bool = False
 
     def describe(self) -> str:
-        return " ".join(
-            f"Unfused: {self.what} ({self.source_class}): {self.reason}".split()
-        )
+        kind = "Kept" if self.kept else "Unfused"
+        return " ".join(f"{kind}: {self.what} ({self.source_class}): {self.reason}".split())
 
 
 @dataclass
@@ -108,6 +110,14 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
                 "they would restart at 0 on every decode step"
             )
         line = _unfused_line(model, n, rewrites)
+        if rebase and line is not None and not model.refused(n):
+            line = Unfused(
+                n,
+                "embedding",
+                "copied from the source onto VocabParallelEmbedding (sharded over the "
+                "vocabulary as vLLM's own)",
+                kept=True,
+            )
         if line is not None:
             unfused.append(line)
     return Copied(pieces=pieces, context=ctx, unfused=unfused + tp_notes)

@@ -316,8 +316,51 @@ def infer(
 ) -> AttentionSpec:
     """Read the vLLM Attention arguments of one attention class from its layers' calls,
     as expressions of the source, and prove vLLM's semantics equal the source's."""
-    import torch
+    call_node = _checked_call(info, calls)
+    kw_exprs = _kwarg_exprs(call_node)
+    config_param = _config_param(info)
+    envs = [_env(c, config, config_param, pymodule) for c in calls]
+    tokens = calls[0].query.shape[2]
+    sizes = _sizes(info, calls, envs, config_param)
+    scale_expr, scales = _scale(info, calls, kw_exprs, envs, sizes)
+    window_expr, windows, chunk_expr, chunks = _window_and_chunk(
+        info, calls, kw_exprs, envs, config, config_param, tokens
+    )
+    softcap_expr, softcaps = _softcap(info, calls, kw_exprs, envs)
+    sinks_expr, sinks = _sinks(info, calls, kw_exprs)
+    notes = _other_kwargs(calls)
+    _prove(calls, scales, windows, softcaps, sinks, chunks, tokens)
+    heads_expr, kv_expr, size_expr, size_v_expr = sizes
+    q_attrs, kv_attrs = head_count_attrs(
+        info,
+        calls[0].module,
+        heads_expr,
+        kv_expr,
+        calls[0].query.shape[1],
+        calls[0].key.shape[1],
+    )
+    attr = "attn" if "attn" not in info.attrs else "vllm_attn"
+    return AttentionSpec(
+        class_name=info.name,
+        heads=heads_expr,
+        kv_heads=kv_expr,
+        head_size=size_expr,
+        head_size_v=size_v_expr,
+        scale=scale_expr,
+        window=window_expr,
+        chunk=chunk_expr,
+        softcap=softcap_expr,
+        sinks=sinks_expr,
+        attr=attr,
+        head_attrs=q_attrs + kv_attrs,
+        kv_head_attrs=kv_attrs,
+        notes=notes,
+    )
 
+
+def _checked_call(info: ClassInfo, calls: list[AttentionCall]) -> cst.Call:
+    """The interface call of `info`'s forward, once it is known vLLM can take it: the
+    mask is not computed from the data, every tensor is [batch, heads, tokens, size]."""
     if not calls:
         raise CodemodError(
             f"cannot generate: the tiny model never calls {info.name}'s attention"
@@ -340,10 +383,6 @@ def infer(
             f"(`{mask} = ...`, a mask that depends on the data, such as a sparse top-k "
             "index), which vLLM's Attention cannot take"
         )
-    kw_exprs = _kwarg_exprs(call_node)
-    config_param = _config_param(info)
-    envs = [_env(c, config, config_param, pymodule) for c in calls]
-    first = calls[0]
     for c in calls:
         for name, t in (("query", c.query), ("key", c.key), ("value", c.value)):
             if t.dim() != 4 or t.shape[0] != 1:
@@ -351,8 +390,11 @@ def infer(
                     f"cannot generate: {info.name} hands its attention a {name} shaped "
                     f"{list(t.shape)}, not [batch, heads, tokens, head size]"
                 )
-    tokens = first.query.shape[2]
+    return call_node
 
+
+def _sizes(info: ClassInfo, calls, envs, config_param):
+    """(heads, kv heads, head size, value head size or None) as source expressions."""
     heads = [c.query.shape[1] for c in calls]
     kv = [c.key.shape[1] for c in calls]
     size = [c.query.shape[3] for c in calls]
@@ -367,8 +409,7 @@ def infer(
                 f"cannot generate: {info.name}: key {list(c.key.shape)} / value "
                 f"{list(c.value.shape)} do not pair with query {list(c.query.shape)}"
             )
-
-    inst = first.module
+    inst = calls[0].module
     heads_expr = _expression_for(
         _int_candidates(info, inst, config_param, _HEAD_NAMES), heads, envs
     )
@@ -400,31 +441,39 @@ def infer(
             raise CodemodError(
                 f"cannot generate: {info.name}: no attribute or config field holds its {what} ({value})"
             )
+    return heads_expr, kv_expr, size_expr, size_v_expr
 
-    # the scale: the argument it passes, else the default 1/sqrt(head size)
+
+def _scale(info: ClassInfo, calls, kw_exprs, envs, sizes):
+    """The scale: the argument the source passes, else the default 1/sqrt(head size)."""
+    import torch
+
+    first = calls[0]
+    size_expr = sizes[2]
     scale_kw = next((k for k in SCALE_KWARGS if k in first.kwargs), None)
     scales = [c.kwargs.get(scale_kw) if scale_kw else None for c in calls]
     if scale_kw is None or all(s is None for s in scales):
-        scale_expr = f"{_atom(size_expr)} ** -0.5"
-        scales = [s**-0.5 for s in size]
-    else:
-        if any(isinstance(s, torch.Tensor) for s in scales):
-            raise CodemodError(
-                f"cannot generate: {info.name} passes a tensor as its attention scale"
-            )
-        src = kw_exprs.get(scale_kw)
-        scale_expr = _expression_for([src], scales, envs) if src is not None else None
-        if scale_expr is None:
-            scale_expr = _expression_for(
-                [f"self.{a}" for a in info.attrs if "scal" in a], scales, envs
-            )
-        if scale_expr is None:
-            raise CodemodError(
-                f"cannot generate: {info.name}'s attention scale `{src}` is not an attribute set in __init__"
-            )
+        return f"{_atom(size_expr)} ** -0.5", [c.query.shape[3] ** -0.5 for c in calls]
+    if any(isinstance(s, torch.Tensor) for s in scales):
+        raise CodemodError(
+            f"cannot generate: {info.name} passes a tensor as its attention scale"
+        )
+    src = kw_exprs.get(scale_kw)
+    scale_expr = _expression_for([src], scales, envs) if src is not None else None
+    if scale_expr is None:
+        scale_expr = _expression_for(
+            [f"self.{a}" for a in info.attrs if "scal" in a], scales, envs
+        )
+    if scale_expr is None:
+        raise CodemodError(
+            f"cannot generate: {info.name}'s attention scale `{src}` is not an attribute set in __init__"
+        )
+    return scale_expr, scales
 
-    # the window and the chunk: what the mask each layer receives encodes, checked
-    # against the window the source hands its attention function
+
+def _window_and_chunk(info, calls, kw_exprs, envs, config, config_param, tokens):
+    """The window and the chunk: what the mask each layer receives encodes, checked
+    against the window the source hands its attention function."""
     kinds = [mask_kind(c.mask, tokens) for c in calls]
     for c, (kind, _) in zip(calls, kinds):
         if kind == "other":
@@ -457,34 +506,48 @@ def infer(
                 f"{sorted({c for c in chunks if c})} tokens but no attribute or config "
                 "field holds them"
             )
+    return window_expr, windows, chunk_expr, chunks
 
-    softcap_expr, softcaps = None, [None] * len(calls)
+
+def _softcap(info, calls, kw_exprs, envs):
+    first = calls[0]
     soft_kw = next((k for k in SOFTCAP_KWARGS if k in first.kwargs), None)
-    if soft_kw is not None and any(c.kwargs.get(soft_kw) for c in calls):
-        softcaps = [c.kwargs.get(soft_kw) for c in calls]
-        src = kw_exprs.get(soft_kw)
-        softcap_expr = _expression_for([src] if src else [], softcaps, envs)
-        if softcap_expr is None:
-            raise CodemodError(
-                f"cannot generate: {info.name}'s attention soft-cap `{src}` is not an attribute set in __init__"
-            )
+    if soft_kw is None or not any(c.kwargs.get(soft_kw) for c in calls):
+        return None, [None] * len(calls)
+    softcaps = [c.kwargs.get(soft_kw) for c in calls]
+    src = kw_exprs.get(soft_kw)
+    softcap_expr = _expression_for([src] if src else [], softcaps, envs)
+    if softcap_expr is None:
+        raise CodemodError(
+            f"cannot generate: {info.name}'s attention soft-cap `{src}` is not an attribute set in __init__"
+        )
+    return softcap_expr, softcaps
 
-    sinks_expr, sinks = None, [None] * len(calls)
+
+def _sinks(info, calls, kw_exprs):
+    first = calls[0]
     sink_kw = next((k for k in SINK_KWARGS if k in first.kwargs), None)
-    if sink_kw is not None and any(c.kwargs.get(sink_kw) is not None for c in calls):
-        src = kw_exprs.get(sink_kw)
-        if src is None or not m.matches(
-            cst.parse_expression(src), m.Attribute(value=m.Name("self"))
-        ):
-            raise CodemodError(
-                f"cannot generate: {info.name}'s attention sinks are not one parameter of the module"
-            )
-        sinks_expr = src
-        sinks = [c.kwargs.get(sink_kw) for c in calls]
+    if sink_kw is None or all(c.kwargs.get(sink_kw) is None for c in calls):
+        return None, [None] * len(calls)
+    src = kw_exprs.get(sink_kw)
+    if src is None or not m.matches(
+        cst.parse_expression(src), m.Attribute(value=m.Name("self"))
+    ):
+        raise CodemodError(
+            f"cannot generate: {info.name}'s attention sinks are not one parameter of the module"
+        )
+    return src, [c.kwargs.get(sink_kw) for c in calls]
 
+
+def _other_kwargs(calls) -> list[str]:
+    """What else the call hands over: a tensor is data vLLM's Attention never sees (a
+    refusal); anything else is noted as ignored."""
+    import torch
+
+    first = calls[0]
     unknown = set(first.kwargs) - INERT_KWARGS - set(SCALE_KWARGS) - set(WINDOW_KWARGS)
     unknown -= set(SOFTCAP_KWARGS) | set(SINK_KWARGS)
-    for c in calls:  # a tensor it hands over carries data vLLM's Attention never sees
+    for c in calls:
         data = sorted(k for k in unknown if isinstance(c.kwargs.get(k), torch.Tensor))
         if data:
             raise CodemodError(
@@ -492,17 +555,19 @@ def infer(
                 + ", ".join(f"`{k}=` (a tensor)" for k in data)
                 + ", which vLLM's Attention cannot take (a sparse top-k index, say)"
             )
-    notes = [
+    return [
         f"`{k}=` ignored" for k in sorted(unknown) if first.kwargs.get(k) is not None
     ]
 
+
+def _prove(calls, scales, windows, softcaps, sinks, chunks, tokens) -> None:
+    """vLLM's semantics on the tensors each layer passed, against its result."""
     for c, chunk, window, cap, sink in zip(calls, chunks, windows, softcaps, sinks):
         if chunk and (window or cap or sink is not None):
             raise CodemodError(
                 f"cannot generate: {c.path} attends within chunks and also has a window, "
                 "a soft-cap or sinks, which vLLM's ChunkedLocalAttention does not take"
             )
-    # proof: vLLM's semantics on the tensors each layer passed, against its result
     for c, scale, window, cap, sink, chunk in zip(
         calls, scales, windows, softcaps, sinks, chunks
     ):
@@ -525,28 +590,6 @@ def infer(
                 f"window {window}, soft-cap {cap}) differs from the source's attention "
                 f"function by {err / ref:.2e} (relative)"
             )
-
-    q_attrs, kv_attrs = head_count_attrs(
-        info, inst, heads_expr, kv_expr, heads[0], kv[0]
-    )
-    head_attrs = q_attrs + kv_attrs
-    attr = "attn" if "attn" not in info.attrs else "vllm_attn"
-    return AttentionSpec(
-        class_name=info.name,
-        heads=heads_expr,
-        kv_heads=kv_expr,
-        head_size=size_expr,
-        head_size_v=size_v_expr,
-        scale=scale_expr,
-        window=window_expr,
-        chunk=chunk_expr,
-        softcap=softcap_expr,
-        sinks=sinks_expr,
-        attr=attr,
-        head_attrs=head_attrs,
-        kv_head_attrs=kv_attrs,
-        notes=notes,
-    )
 
 
 def _window_argument(info, kw_exprs, windows, envs, tokens) -> str | None:
