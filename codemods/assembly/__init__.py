@@ -86,11 +86,16 @@ def assemble(model: Model, copied: Copied, defs: Definitions, plan: Plan) -> Ass
     body = "\n\n".join(pieces[n] for n in sorted(pieces, key=order.index))
     helper = _helpers(ctx)
     body = helper + "\n\n" + body
-    head = imports_for(body, set(classes))
+    # the classes this file defines; a claimed class (a norm whose constructions are
+    # vLLM's) is imported from vLLM even where the source names its own alike
+    head = imports_for(body, set(pieces))
+    # a name the vLLM imports bind (vLLM's GemmaRMSNorm for a claimed norm) is never
+    # taken from the source, even where the source defines a class of that name
     names, imports = closure(
         defs,
         head + body,
         set(pieces)
+        | _bound_by(head)
         | {"vllm_attention", "vllm_attention_heads", *eager_attention.ALIBI_HELPERS},
     )
     text = copied_text(defs, names)
@@ -120,6 +125,22 @@ def assemble(model: Model, copied: Copied, defs: Definitions, plan: Plan) -> Ass
         )
     extra = "\n".join(i for i in imports if i not in head.splitlines())
     out.text = head + ("\n" + extra + "\n" if extra else "") + "\n\n" + body
+    return out
+
+
+def _bound_by(imports: str) -> set[str]:
+    """The names a block of import statements binds."""
+    import libcst as cst
+
+    out: set[str] = set()
+    for stmt in cst.parse_module(imports).body:
+        for small in getattr(stmt, "body", []):
+            if isinstance(small, (cst.Import, cst.ImportFrom)) and not isinstance(
+                small.names, cst.ImportStar
+            ):
+                for alias in small.names:
+                    bound = alias.asname.name if alias.asname else alias.name
+                    out.add(cst.Module(body=[]).code_for_node(bound).split(".")[0])
     return out
 
 
