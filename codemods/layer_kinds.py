@@ -310,28 +310,13 @@ def for_source(source, trust_remote_code: bool = False):
 
 def _inside_attention(sites: list[branches.Site], classes) -> bool:
     """Every class building it calls transformers' attention interface (an indexer)."""
-    from .probe import interface_call
+    from .attention_calls import interface_call
 
     owners = [classes.get(s.owner) for s in sites]
     return bool(owners) and all(
         o is not None and o.forward is not None and interface_call(o.forward)
         for o in owners
     )
-
-
-def refuse_encoder_decoder(causal_cls, config=None) -> None:
-    """Out of scope: an encoder-decoder model or its decoder. BART-style ...ForCausalLM
-    classes switch the flag off on the config they are given: the config class's own
-    default says the decoder's layers hold cross attention."""
-    from .errors import CodemodError
-
-    if getattr(config, "is_encoder_decoder", False) or (
-        getattr(causal_cls.config_class, "is_encoder_decoder", False) is True
-    ):
-        raise CodemodError(
-            f"out of scope: {causal_cls.__name__} is an encoder-decoder model or its "
-            "decoder (cross attention; vLLM's Transformers backend serves decoders only)"
-        )
 
 
 def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -> None:
@@ -344,6 +329,8 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
     from transformers import PreTrainedModel
 
     from .errors import CodemodError
+
+    from .probe import refuse_encoder_decoder
 
     # before any kind: out of scope whatever it builds (MVP's prompt modules need its
     # encoder's config, so no tiny config builds them)
@@ -370,7 +357,7 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
             f"cannot generate: no tiny config builds {kind} (built when {condition}), "
             "so it could be neither proven nor verified"
         )
-    from .probe import interface_call
+    from .attention_calls import interface_call
 
     for kind in found.all_built() - found.built[0]:
         info = classes.get(kind)

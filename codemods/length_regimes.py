@@ -89,10 +89,10 @@ def detect(causal_cls, values: dict) -> list[tuple[str, ...]]:
     """The fields of `values`' config that are length regimes beyond SMALL."""
     import torch
 
-    from . import tiny
+    from .tiny_model import randomize
 
     model = _build(causal_cls, values)
-    tiny.randomize(model)
+    randomize(model)
     state = model.state_dict()
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     ids = torch.randint(
@@ -132,7 +132,7 @@ _CACHE: dict[tuple, list] = {}
 def shrink(causal_cls, values: dict, keep: set[str] = frozenset()) -> dict:
     """`values` with every length regime beyond SMALL set to SMALL (fields in `keep`,
     the ones a caller set, stay); unchanged where the model then fails to run."""
-    from . import tiny
+    from .tiny_model import check_runs
 
     key = (causal_cls, json.dumps(values, sort_keys=True, default=str))
     if key not in _CACHE:
@@ -147,7 +147,7 @@ def shrink(causal_cls, values: dict, keep: set[str] = frozenset()) -> dict:
             continue
         trial = with_value(out, config, path, SMALL)
         try:
-            tiny.check_runs(causal_cls, trial)
+            check_runs(causal_cls, trial)
         except Exception:  # noqa: BLE001 - the test over committed models reports it
             continue
         out = trial

@@ -25,7 +25,7 @@ class Plan:
 
     @property
     def layout(self) -> str:
-        """"native" when every part is claimed (vLLM's own layout), else "faithful"."""
+        """ "native" when every part is claimed (vLLM's own layout), else "faithful"."""
         return "faithful" if any(not u.kept for u in self.unfused) else "native"
 
     def report(self) -> list[str]:
@@ -44,7 +44,8 @@ class Plan:
 
     def stacked_params(self) -> list[tuple[str, str, ShardId]]:
         """(checkpoint substring, merged substring, shard id), scoped to the owning module
-        so a same-named projection elsewhere (an expert's `gate_proj`) is never caught."""
+        so a same-named projection elsewhere (an expert's `gate_proj`) is never caught.
+        """
         return [
             (f".{r.scope}.{source}.", f".{r.scope}.{r.target}.", shard)
             for r in self.records

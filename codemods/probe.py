@@ -22,22 +22,11 @@ import libcst.matchers as m
 
 from fusion_patterns.base import ClassInfo, code
 
+from .attention_calls import AttentionCall, interface_call
 from .errors import CodemodError
 
 PROBE_TOKENS = 40  # past the tiny windows (8) and the shrunk lengths (32), so both show in the masks
 PROBE_IMPL = "codemods_probe"
-
-
-@dataclass
-class AttentionCall:
-    module: object
-    path: str
-    query: object
-    key: object
-    value: object
-    mask: object
-    kwargs: dict
-    output: object
 
 
 @dataclass
@@ -59,59 +48,6 @@ class Probe:
 
     def calls_of(self, cls: str) -> list[AttentionCall]:
         return [c for c in self.calls if type(c.module).__name__ == cls]
-
-
-def interface_name(forward: cst.FunctionDef) -> str | None:
-    """The local name an attention interface is called through: `X(self, q, k, v, ...)`
-    where X is assigned from an `ALL_ATTENTION_FUNCTIONS` lookup or an eager function.
-    """
-    assigned = {}
-    for node in m.findall(forward, m.Assign() | m.AnnAssign()):
-        targets = (
-            [t.target for t in node.targets]
-            if isinstance(node, cst.Assign)
-            else [node.target]
-        )
-        for t in targets:
-            if isinstance(t, cst.Name) and node.value is not None:
-                assigned.setdefault(t.value, []).append(node.value)
-    for call in m.findall(
-        forward, m.Call(func=m.Name(), args=[m.Arg(m.Name("self")), m.ZeroOrMore()])
-    ):
-        name = call.func.value
-        values = assigned.get(name, [])
-        if any(m.findall(v, m.Name("ALL_ATTENTION_FUNCTIONS")) for v in values):
-            return name
-    return None
-
-
-def eager_functions(forward: cst.FunctionDef, module_functions: set[str]) -> set[str]:
-    """Module-level functions the interface name may be bound to (the eager default)."""
-    name = interface_name(forward)
-    if name is None:
-        return set()
-    out = set()
-    for node in m.findall(forward, m.Assign() | m.AnnAssign()):
-        targets = (
-            [t.target for t in node.targets]
-            if isinstance(node, cst.Assign)
-            else [node.target]
-        )
-        if any(isinstance(t, cst.Name) and t.value == name for t in targets):
-            out |= {
-                n.value
-                for n in m.findall(node.value, m.Name())
-                if n.value in module_functions
-            }
-    return out
-
-
-def interface_call(forward: cst.FunctionDef) -> cst.Call | None:
-    name = interface_name(forward)
-    if name is None:
-        return None
-    calls = m.findall(forward, m.Call(func=m.Name(name)))
-    return calls[0] if len(calls) == 1 else None
 
 
 def run(
@@ -301,10 +237,12 @@ def probe(pymodule, classes: dict[str, ClassInfo], causal_cls, values) -> Probe:
     ]
     with init_locals(pymodule, candidates):
         config, model = build(causal_cls, values)
-    from .layer_kinds import refuse_encoder_decoder
-
     refuse_encoder_decoder(causal_cls, config)
-    built = [n for n in dict.fromkeys(type(x).__name__ for x in model.modules()) if n in classes]
+    built = [
+        n
+        for n in dict.fromkeys(type(x).__name__ for x in model.modules())
+        if n in classes
+    ]
     attention = {
         n: classes[n]
         for n in built
@@ -322,7 +260,9 @@ def probe(pymodule, classes: dict[str, ClassInfo], causal_cls, values) -> Probe:
         for n, (core, sink) in eager.items()
     ]
     try:
-        found = run(pymodule, model, config, attention, config.vocab_size, patches, set(built))
+        found = run(
+            pymodule, model, config, attention, config.vocab_size, patches, set(built)
+        )
     except CodemodError:
         raise
     except Exception as exc:
@@ -332,6 +272,21 @@ def probe(pymodule, classes: dict[str, ClassInfo], causal_cls, values) -> Probe:
         ) from None
     found.eager = eager
     return found
+
+
+def refuse_encoder_decoder(causal_cls, config=None) -> None:
+    """Out of scope: an encoder-decoder model or its decoder. BART-style ...ForCausalLM
+    classes switch the flag off on the config they are given: the config class's own
+    default says the decoder's layers hold cross attention."""
+    from .errors import CodemodError
+
+    if getattr(config, "is_encoder_decoder", False) or (
+        getattr(causal_cls.config_class, "is_encoder_decoder", False) is True
+    ):
+        raise CodemodError(
+            f"out of scope: {causal_cls.__name__} is an encoder-decoder model or its "
+            "decoder (cross attention; vLLM's Transformers backend serves decoders only)"
+        )
 
 
 def build(causal_cls, values: dict | None = None):

@@ -23,7 +23,8 @@ from fusion_patterns.base import ClassInfo, dotted_name, linear_args
 from .copying import attention as attention_args
 from .copying import eager_attention
 from .errors import CodemodError
-from .probe import PROBE_TOKENS, Probe, interface_call
+from .attention_calls import interface_call
+from .probe import PROBE_TOKENS, Probe
 from .source import ModelSource
 
 LINEARS = ("nn.Linear", "torch.nn.Linear")
@@ -113,7 +114,9 @@ def find(source: ModelSource, pymodule, causal_cls, probe: Probe) -> Roles:
     lists = [
         (path, mod)
         for path, mod in model.named_modules()
-        if isinstance(mod, nn.ModuleList) and len(mod) == n_layers and path.count(".") >= 1
+        if isinstance(mod, nn.ModuleList)
+        and len(mod) == n_layers
+        and path.count(".") >= 1
     ]
     if len(lists) != 1:
         raise CodemodError(
@@ -155,7 +158,11 @@ def find(source: ModelSource, pymodule, causal_cls, probe: Probe) -> Roles:
         if name in classes and name not in wanted:
             wanted += [c for c in _reachable(name, classes) if c not in wanted]
     in_layers = {type(x).__name__ for layer in layer_list for x in layer.modules()}
-    interface = {n for n in wanted if classes[n].forward is not None and interface_call(classes[n].forward)}
+    interface = {
+        n
+        for n in wanted
+        if classes[n].forward is not None and interface_call(classes[n].forward)
+    }
     eager = {n: v for n, v in probe.eager.items() if n in in_layers and n in wanted}
     _scope_checks(layer_list, interface | set(eager))
     comp = _layers_comprehension(base, layers_attr)
@@ -303,7 +310,10 @@ def _looked_up(probe: Probe, classes, wanted: list[str]) -> dict[tuple[str, str]
         if inst is None:
             continue
         for attr, child in inst.named_children():
-            if type(child).__name__ in classes and classes[n].constructed_class(attr) is None:
+            if (
+                type(child).__name__ in classes
+                and classes[n].constructed_class(attr) is None
+            ):
                 out[(n, attr)] = type(child).__name__
     return out
 
@@ -320,7 +330,10 @@ def _vocab_embedding(base_mod, config) -> str:
     import torch.nn as nn
 
     for attr, child in base_mod.named_modules():
-        if isinstance(child, nn.Embedding) and child.num_embeddings == config.vocab_size:
+        if (
+            isinstance(child, nn.Embedding)
+            and child.num_embeddings == config.vocab_size
+        ):
             return attr
     raise CodemodError(
         f"cannot generate: {type(base_mod).__name__} holds no vocabulary embedding"
@@ -334,7 +347,9 @@ def _head(causal: ClassInfo, model, config) -> str:
         if isinstance(child, nn.Linear) and child.out_features == config.vocab_size:
             if causal.constructed_class(attr) in LINEARS:
                 return attr
-    raise CodemodError(f"cannot generate: {causal.name} builds no nn.Linear vocabulary head")
+    raise CodemodError(
+        f"cannot generate: {causal.name} builds no nn.Linear vocabulary head"
+    )
 
 
 def _placement(base: ClassInfo, base_mod, layers_attr: str) -> dict[str, str]:

@@ -330,7 +330,9 @@ def tiny_configs(
 
         src = load(Path(source).name if source.startswith("transformers/") else source)
         load_module(src, trust_remote_code)
-        variants = layer_kinds.cover(causal_cls, src.module, src.classes, values).variants
+        variants = layer_kinds.cover(
+            causal_cls, src.module, src.classes, values
+        ).variants
     out = []
     for v in variants:
         v = json.loads(json.dumps(v))

@@ -305,7 +305,9 @@ def _pipeline_split(roles: Roles, params: set[str], parts: BaseForward):
             a.attr.value in first_modules
             for a in m.findall(stmt, m.Attribute(value=m.Name("self")))
         )
-        only = bool(calls_first or stores(stmt) & carried or set(loads(stmt)) & unavailable)
+        only = bool(
+            calls_first or stores(stmt) & carried or set(loads(stmt)) & unavailable
+        )
         first_only.append(only)
         if only:
             unavailable |= stores(stmt) - carried - stream_names
@@ -351,9 +353,13 @@ class _LayerCall(cst.CSTTransformer):
         self.names = names
 
     def leave_Call(self, original, updated: cst.Call):
-        if m.matches(updated.func, m.Name()) and updated.func.value in self.names and not any(
-            a.keyword is not None and a.keyword.value == "positions"
-            for a in updated.args
+        if (
+            m.matches(updated.func, m.Name())
+            and updated.func.value in self.names
+            and not any(
+                a.keyword is not None and a.keyword.value == "positions"
+                for a in updated.args
+            )
         ):
             return with_keyword(updated, "positions", "positions")
         return updated

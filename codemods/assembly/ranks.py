@@ -26,7 +26,6 @@ def _rank_guard(lines: list[str], placement: str, tied: bool) -> list[str]:
     )
 
 
-
 def _flatten(lines: list[str]) -> list[str]:
     out = []
     for line in lines:

@@ -122,7 +122,9 @@ def _expert_renames(out, names: list[str], stacked: tuple[str, str], owner: str)
             out.setdefault("orig_to_new_regex", {})[pattern] = rf".experts.\1.{new}."
     for old, new in zip(stacked, VLLM_STACKED):
         if old != new:
-            out.setdefault("orig_to_new_suffix", {})[f".experts.{old}"] = f".experts.{new}"
+            out.setdefault("orig_to_new_suffix", {})[
+                f".experts.{old}"
+            ] = f".experts.{new}"
 
 
 STACK_METHOD = """

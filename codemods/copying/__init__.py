@@ -40,7 +40,9 @@ class Unfused:
 
     def describe(self) -> str:
         kind = "Kept" if self.kept else "Unfused"
-        return " ".join(f"{kind}: {self.what} ({self.source_class}): {self.reason}".split())
+        return " ".join(
+            f"{kind}: {self.what} ({self.source_class}): {self.reason}".split()
+        )
 
 
 @dataclass

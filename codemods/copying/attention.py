@@ -26,7 +26,7 @@ import libcst.matchers as m
 from fusion_patterns.base import ClassInfo, code
 
 from ..errors import CodemodError
-from ..probe import AttentionCall, interface_call
+from ..attention_calls import AttentionCall, interface_call
 from .inference import inference_folded
 
 NAME = "attention"

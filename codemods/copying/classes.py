@@ -22,7 +22,7 @@ from fusion_patterns.base import Claim, ClassInfo, code, dotted_name, linear_arg
 from fusion_patterns.emitting import with_keyword
 
 from ..errors import CodemodError
-from ..probe import interface_name
+from ..attention_calls import interface_name
 from . import vllm_attention
 from .attention import AttentionSpec
 from .definitions import strip_decorators
@@ -490,7 +490,9 @@ class _NoneUnpacked(cst.CSTTransformer):
         ]
         return cst.FlattenSentinel(
             [
-                updated.with_changes(body=[line], leading_lines=() if i else updated.leading_lines)
+                updated.with_changes(
+                    body=[line], leading_lines=() if i else updated.leading_lines
+                )
                 for i, line in enumerate(lines)
             ]
         )
@@ -527,6 +529,9 @@ class _Positions(cst.CSTTransformer):
         cls = _called_class(self.info, self.ctx, updated.func.attr.value)
         if cls not in self.ctx.positions or cls in self.ctx.call_sites:
             return updated
-        if any(a.keyword is not None and a.keyword.value == "positions" for a in updated.args):
+        if any(
+            a.keyword is not None and a.keyword.value == "positions"
+            for a in updated.args
+        ):
             return updated
         return with_keyword(updated, "positions", "positions")

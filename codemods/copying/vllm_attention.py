@@ -199,5 +199,3 @@ class InterfaceCall(cst.CSTTransformer):
         return cst.parse_expression(
             f"(vllm_attention(self.{self.attr}, {q}, {k}, {v}), None)"
         )
-
-
