@@ -22,7 +22,7 @@ import libcst.matchers as m
 
 from fusion_patterns.base import ClassInfo, code
 
-from .attention_calls import AttentionCall, interface_call
+from .attention_calls import AttentionCall, eager_functions, interface_call
 from .errors import CodemodError
 
 PROBE_TOKENS = 40  # past the tiny windows (8) and the shrunk lengths (32), so both show in the masks
