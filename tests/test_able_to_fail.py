@@ -258,7 +258,7 @@ MUTATIONS += [
 # copies whose checkpoint no longer fits the model they build: vLLM's loader refuses them
 # (the one way they can fail), by this message
 LOAD_FAILURES = {
-    "every layer MoE (mlp_only_layers ignored)": "were not initialized from checkpoint",
+    "every layer MoE (mlp_only_layers ignored)": "There is no module or parameter named",
 }
 
 
