@@ -223,6 +223,9 @@ class Pattern:
     assembly stages call take only the claim and plain source nodes."""
 
     name = ""
+    # its `call_site` rewrites how copied callers call a class it rewrites (a claim of
+    # kind CLASS is always called the pattern's way)
+    rewrites_calls = False
 
     def claim(self, model) -> Iterable[Claim | Refusal]:
         raise NotImplementedError
@@ -240,7 +243,8 @@ class Pattern:
         return node
 
     def call_site(self, claim: Claim, call: cst.Call) -> cst.BaseExpression | None:
-        """How a copied caller calls the claimed module (None: as the source does)."""
+        """How a copied caller calls the claimed module (None: as the source does). A
+        copied caller of a CLASS claim is handed vLLM's positions only through this."""
         return None
 
     def base_forward(self, claim: Claim, parts: "BaseForward") -> None:

@@ -156,7 +156,8 @@ def positions_call(call: cst.Call, arity: int) -> cst.BaseExpression:
     if arity == 1:
         return native
     return cst.Tuple(
-        [cst.Element(native)] + [cst.Element(cst.Name("None")) for _ in range(arity - 1)]
+        [cst.Element(native)]
+        + [cst.Element(cst.Name("None")) for _ in range(arity - 1)]
     )
 
 
@@ -182,3 +183,33 @@ def with_keyword(call: cst.Call, name: str, value: str) -> cst.Call:
         )
     args.insert(at, new)
     return call.with_changes(args=args)
+
+
+class DefaultNone(cst.CSTTransformer):
+    """`name=None` for the forward parameters in `names` that have no default (a caller
+    no longer passes them)."""
+
+    def __init__(self, names: set[str]):
+        self.names = names
+
+    def leave_FunctionDef(self, original, updated: cst.FunctionDef):
+        if updated.name.value != "forward":
+            return updated
+        params = list(updated.params.params)
+        if not any(p.name.value in self.names and p.default is None for p in params):
+            return updated
+        # once one parameter has a default, every later positional one needs one
+        out, defaulted = [], False
+        for p in params:
+            if p.default is None and (defaulted or p.name.value in self.names):
+                if p.name.value != "self":
+                    p = p.with_changes(
+                        default=cst.Name("None"),
+                        equal=cst.AssignEqual(
+                            whitespace_before=cst.SimpleWhitespace(""),
+                            whitespace_after=cst.SimpleWhitespace(""),
+                        ),
+                    )
+            defaulted = defaulted or p.default is not None
+            out.append(p)
+        return updated.with_changes(params=updated.params.with_changes(params=out))

@@ -16,6 +16,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from fusion_patterns.base import code
+from fusion_patterns.emitting import DefaultNone
 
 from ..copying.simplify import loads
 
@@ -29,7 +30,7 @@ def prune(pieces: dict[str, str], roles, keep: set[str]) -> set[str]:
     # the loop no longer passes them: a parameter without a default gets one
     for n in roles.layer_classes:
         if n in pieces and unused:
-            pieces[n] = code(cst.parse_module(pieces[n]).visit(_DefaultNone(unused)))
+            pieces[n] = code(cst.parse_module(pieces[n]).visit(DefaultNone(unused)))
     base = roles.base.name
     stateless = {a for a, where in roles.placement.items() if where == "every"}
     pieces[base] = code(
@@ -217,35 +218,6 @@ def _bound_names(target) -> set[str] | None:
             out |= names
         return out
     return None
-
-
-class _DefaultNone(cst.CSTTransformer):
-    """`name=None` for the forward parameters in `names` that have no default."""
-
-    def __init__(self, names: set[str]):
-        self.names = names
-
-    def leave_FunctionDef(self, original, updated: cst.FunctionDef):
-        if updated.name.value != "forward":
-            return updated
-        params = list(updated.params.params)
-        if not any(p.name.value in self.names and p.default is None for p in params):
-            return updated
-        # once one parameter has a default, every later positional one needs one
-        out, defaulted = [], False
-        for p in params:
-            if p.default is None and (defaulted or p.name.value in self.names):
-                if p.name.value != "self":
-                    p = p.with_changes(
-                        default=cst.Name("None"),
-                        equal=cst.AssignEqual(
-                            whitespace_before=cst.SimpleWhitespace(""),
-                            whitespace_after=cst.SimpleWhitespace(""),
-                        ),
-                    )
-            defaulted = defaulted or p.default is not None
-            out.append(p)
-        return updated.with_changes(params=updated.params.with_changes(params=out))
 
 
 class _DropKeywords(cst.CSTTransformer):

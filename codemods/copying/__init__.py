@@ -89,7 +89,11 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
         built=roles.built,
         attention_name="VllmAttention" if "Attention" in classes else "Attention",
         merged_heads={c.class_name: c.heads for c in model.claims if c.heads},
-        call_sites={c.class_name: c for c in model.claims if c.kind == CLASS},
+        call_sites={
+            c.class_name: c
+            for c in model.claims
+            if c.kind == CLASS or c.pattern.rewrites_calls
+        },
         positions=_need_positions(model),
     )
     pieces: dict[str, str] = {}

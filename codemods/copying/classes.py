@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from fusion_patterns.base import Claim, ClassInfo, code, dotted_name, linear_args
+from fusion_patterns.base import (
+    CLASS,
+    Claim,
+    ClassInfo,
+    code,
+    dotted_name,
+    linear_args,
+)
 from fusion_patterns.emitting import with_keyword
 
 from ..errors import CodemodError
@@ -69,7 +76,8 @@ class Context:
     # class -> expressions of this rank's (query, kv) head counts after a claim merged
     # its projections
     merged_heads: dict[str, tuple[str, str]] = field(default_factory=dict)
-    # claimed classes a copied caller calls the pattern's way
+    # claimed classes a copied caller calls the pattern's way (vLLM's positions handed
+    # by the pattern's call too, where the claim is CLASS)
     call_sites: dict[str, Claim] = field(default_factory=dict)
     # classes whose forward takes vLLM's positions (to hand them to a claimed module)
     positions: set[str] = field(default_factory=set)
@@ -527,7 +535,10 @@ class _Positions(cst.CSTTransformer):
         if not m.matches(updated.func, m.Attribute(value=m.Name("self"))):
             return updated
         cls = _called_class(self.info, self.ctx, updated.func.attr.value)
-        if cls not in self.ctx.positions or cls in self.ctx.call_sites:
+        if cls not in self.ctx.positions:
+            return updated
+        claim = self.ctx.call_sites.get(cls)
+        if claim is not None and claim.kind == CLASS:
             return updated
         if any(
             a.keyword is not None and a.keyword.value == "positions"
