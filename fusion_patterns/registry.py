@@ -4,7 +4,8 @@ Order matters where one pattern reads another's claims: norms first (the attenti
 head norms, the residual fold and the latent attention build on proven norms), then the
 blocks inside a layer (a MoE block before a gated MLP, so a router is never taken for a
 gate), then the attention whole (latent, then vLLM's own layout) before the merge of a
-copied attention's projections, and the residual fold last.
+copied attention's projections and vLLM's rope in a copied attention, and the
+residual fold last.
 """
 
 from .glu import GLU
@@ -13,6 +14,7 @@ from .moe import MoE
 from .qkv import NativeAttention, QKVMerge
 from .residual_norm import ResidualFold
 from .rms_norm import RMSNormPattern
+from .rotary import Rope
 
 PATTERNS = (
     RMSNormPattern(),
@@ -21,5 +23,6 @@ PATTERNS = (
     LatentAttention(),
     NativeAttention(),
     QKVMerge(),
+    Rope(),
     ResidualFold(),
 )
