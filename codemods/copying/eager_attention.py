@@ -652,7 +652,7 @@ class CoreRewrite(cst.CSTTransformer):
         return cst.parse_expression(call)
 
     def leave_IndentedBlock(self, original, updated):
-        from .simplify import loads, stores
+        from .simplify import stores
 
         core = self.core
         if core.kind != "inline":

@@ -17,7 +17,7 @@ import libcst.matchers as m
 from ..base import REWRITE, Claim, Pattern, PatternRefused, Refusal, code
 from ..sharding import prove as prove_sharded
 from . import proof
-from .match import NAME, QKVSpec, match, records
+from .match import NAME, match, records
 
 WHAT = "q/k/v projections"
 
