@@ -145,6 +145,25 @@ def test_an_attention_that_counts_all_heads_in_a_reshape_is_replicated(tmp_path)
     assert "ReplicatedLinear(" in text
 
 
+def test_linears_no_plan_shards_are_said_to_be_replicated():
+    """OPT's config has no TP plan: every linear of its copied classes is held whole on
+    each rank, a slow path under TP that the report names (Qwen3's are all sharded)."""
+    from codemods.apply import generate
+
+    plan, text = generate("modeling_opt.py")
+    lines = [u.describe() for u in plan.unfused if u.what == "tensor parallel"]
+    assert any(
+        line.startswith(
+            "Unfused: tensor parallel (OPTAttention): replicated on every rank:"
+        )
+        and all(p in line for p in ("q_proj", "k_proj", "v_proj", "out_proj"))
+        for line in lines
+    ), lines
+    assert text.count("ReplicatedLinear(") >= 4
+    plan, _ = generate("modeling_qwen3.py")
+    assert [u for u in plan.unfused if u.what == "tensor parallel"] == []
+
+
 def test_a_non_attention_mixer_is_out_of_scope_in_one_line():
     result = run_cli(
         "codemods.apply", "modeling_mamba.py", "--out", "/tmp/never-written"

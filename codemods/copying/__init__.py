@@ -126,7 +126,36 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
             )
         if line is not None:
             unfused.append(line)
-    return Copied(pieces=pieces, context=ctx, unfused=unfused + tp_notes)
+    return Copied(
+        pieces=pieces,
+        context=ctx,
+        unfused=unfused + tp_notes + _replicated(pieces, tp_notes, model),
+    )
+
+
+def _replicated(pieces: dict[str, str], noted: list[Unfused], model) -> list[Unfused]:
+    """A copied class whose linears every rank holds whole is a slow path under TP, and
+    said so (unless `_tp_styles` already gave the reason its plan was not taken)."""
+    import re
+
+    said = {u.source_class for u in noted}
+    out = []
+    for n, text in pieces.items():
+        attrs = re.findall(r"self\.(\w+) = ReplicatedLinear\(", text)
+        if attrs and n not in said:
+            why = (
+                "transformers' TP plan has no entry for them"
+                if not model.tp_plan.get(n)
+                else "transformers' TP plan leaves them whole"
+            )
+            out.append(
+                Unfused(
+                    n,
+                    "tensor parallel",
+                    f"replicated on every rank: {', '.join(dict.fromkeys(attrs))} ({why})",
+                )
+            )
+    return out
 
 
 def _tp_styles(model: Model) -> tuple[dict[str, dict[str, str]], list[Unfused]]:
