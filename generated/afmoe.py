@@ -10,13 +10,15 @@
 # Fusion report:
 #   Fused: gate_proj + up_proj (AfmoeMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: gate_proj + up_proj (AfmoeMLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
-#   Unfused: module (AfmoeRotaryEmbedding): copied from the source
+#   Fused: apply_rotary_pos_emb (AfmoeAttention) -> rotary_emb (get_rope, NeoX halves)
 #   Unfused: module (AfmoeRMSNorm): copied from the source (the weight is not applied as a multiply after the cast back)
 #   Unfused: decoder layer (AfmoeDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (AfmoeSparseMoeBlock): copied from the source (the router logits are not one linear of self.<weight>)
 #   Unfused: module (AfmoeExperts): copied from the source
 #   Unfused: module (AfmoeTokenChoiceRouter): copied from the source
 #   Unfused: attention (AfmoeAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
+#   Unfused: tensor parallel (AfmoeTokenChoiceRouter): replicated on every rank: gate (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (AfmoeAttention): replicated on every rank: q_proj, k_proj, v_proj, o_proj, gate_proj (transformers' TP plan has no entry for them)
 #   Unfused: torch.compile (AfmoeModel): off: AfmoeExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: AfmoeRMSNorm (AfmoeRMSNorm): the weight is not applied as a multiply after the cast back
 #   Refused: router + experts (AfmoeSparseMoeBlock): the router logits are not one linear of self.<weight>
@@ -46,6 +48,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -66,10 +69,6 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from collections.abc import Callable
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_rope_utils import dynamic_rope_update
-
 
 def vllm_attention(
     attn: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -84,58 +83,6 @@ def vllm_attention(
         value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
     out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
     return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
-
-
-class AfmoeRotaryEmbedding(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-
-        self.config = config
-
-        self.rope_type = self.config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init_fn(self.config)
-
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
-
-    @staticmethod
-    def compute_default_rope_parameters(config, **kwargs) -> tuple[torch.Tensor, float]:
-        """
-        Computes the inverse frequencies according to the original RoPE implementation
-        Args:
-            config ([`~transformers.PreTrainedConfig`]):
-                The model configuration.
-        Returns:
-            Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
-            post-processing scaling factor applied to the computed cos/sin (unused in this type of RoPE).
-        """
-        base = config.rope_parameters["rope_theta"]
-        dim = (
-            getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads
-        )
-
-        attention_factor = 1.0  # Unused in this type of RoPE
-        # Compute the inverse frequencies
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq, attention_factor
-
-    @torch.no_grad()
-    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
-    def forward(self, x, position_ids):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(
-            device=x.device, dtype=torch.float
-        )
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 class AfmoeRMSNorm(nn.Module):
@@ -328,38 +275,6 @@ class AfmoeSparseMoeBlock(nn.Module):
         return shared_output + routed_output
 
 
-def rotate_half(x):
-    """Rotates half the hidden dims of the input."""
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Applies Rotary Position Embedding to the query and key tensors.
-
-    Args:
-        q (`torch.Tensor`): The query tensor.
-        k (`torch.Tensor`): The key tensor.
-        cos (`torch.Tensor`): The cosine part of the rotary embedding.
-        sin (`torch.Tensor`): The sine part of the rotary embedding.
-        unsqueeze_dim (`int`, *optional*, defaults to 1):
-            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
-            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
-            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
-            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
-            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
-            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
-    Returns:
-        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
-    """
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
-    return q_embed, k_embed
-
-
 class AfmoeAttention(nn.Module):
     """
     Multi-headed attention module with optional sliding window and gating.
@@ -436,6 +351,12 @@ class AfmoeAttention(nn.Module):
             prefix=f"{prefix}.gate_proj",
             return_bias=False,
         )
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            max_position=config.max_position_embeddings,
+            is_neox_style=True,
+            rope_parameters=config.rope_parameters,
+        )
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = self.sliding_window
@@ -461,9 +382,10 @@ class AfmoeAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] = None,
+        attention_mask: torch.Tensor | None = None,
         past_key_values=None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         input_shape = hidden_states.shape[:-1]
@@ -479,9 +401,8 @@ class AfmoeAttention(nn.Module):
         value_states = value_states.transpose(1, 2)
 
         if self.is_local_attention:
-            cos, sin = position_embeddings
-            query_states, key_states = apply_rotary_pos_emb(
-                query_states, key_states, cos, sin
+            query_states, key_states = self._vllm_rope(
+                positions, query_states, key_states
             )
 
         output = vllm_attention(self.attn, query_states, key_states, value_states)
@@ -490,6 +411,17 @@ class AfmoeAttention(nn.Module):
         output = output * torch.sigmoid(gate_states)
         attn_output = self.o_proj(output)
         return attn_output, None
+
+    def _vllm_rope(self, positions, query, key):
+        # vLLM's rope takes [tokens, heads * head size]; the source holds
+        # [1, heads, tokens, head size]
+        tokens = positions.shape[-1]
+        q, k = (t.transpose(1, 2).reshape(tokens, -1) for t in (query, key))
+        q, k = self.rotary_emb(positions, q, k)
+        return tuple(
+            r.view(t.transpose(1, 2).shape).transpose(1, 2)
+            for r, t in ((q, query), (k, key))
+        )
 
 
 class AfmoeDecoderLayer(nn.Module):
@@ -551,6 +483,7 @@ class AfmoeDecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.FloatTensor:
         residual = hidden_states
@@ -561,7 +494,7 @@ class AfmoeDecoderLayer(nn.Module):
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            position_embeddings=position_embeddings,
+            positions=positions,
             **kwargs,
         )
         hidden_states = self.post_attention_layernorm(hidden_states)
@@ -610,7 +543,6 @@ class AfmoeModel(nn.Module):
             self.norm = AfmoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         else:
             self.norm = PPMissingLayer()
-        self.rotary_emb = AfmoeRotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states"], config.hidden_size
         )
@@ -644,7 +576,6 @@ class AfmoeModel(nn.Module):
             # Apply muP input scaling if enabled
             if self.config.mup_enabled:
                 hidden_states = hidden_states * (self.config.hidden_size**0.5)
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for i, decoder_layer in enumerate(
             islice(self.layers, self.start_layer, self.end_layer),
             start=self.start_layer,
@@ -653,7 +584,7 @@ class AfmoeModel(nn.Module):
                 hidden_states,
                 attention_mask=causal_mask_mapping[self.config.layer_types[i]],
                 position_ids=position_ids,
-                position_embeddings=position_embeddings,
+                positions=positions,
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

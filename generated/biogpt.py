@@ -12,6 +12,8 @@
 #   Unfused: attention (BioGptAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: module (BioGptLearnedPositionalEmbedding): copied from the source
 #   Kept: embedding (BioGptScaledWordEmbedding): copied from the source onto VocabParallelEmbedding (sharded over the vocabulary as vLLM's own)
+#   Unfused: tensor parallel (BioGptDecoderLayer): replicated on every rank: fc1, fc2 (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (BioGptAttention): replicated on every rank: k_proj, v_proj, q_proj, out_proj (transformers' TP plan has no entry for them)
 #   Refused: q/k/v projections (BioGptAttention): key_states is assigned twice
 #   Refused: residual add + norm (BioGptDecoderLayer): self.self_attn_layer_norm is not an RMSNorm
 # ======================================================================================

@@ -11,6 +11,8 @@
 #   Unfused: decoder layer (CodeGenBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (CodeGenMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (CodeGenAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5)
+#   Unfused: tensor parallel (CodeGenMLP): replicated on every rank: fc_in, fc_out (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (CodeGenAttention): replicated on every rank: qkv_proj, out_proj (transformers' TP plan has no entry for them)
 #   Refused: gate/up projections (CodeGenMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: residual add + norm (CodeGenBlock): forward does not end with `return <hidden states>`
 # ======================================================================================

@@ -11,7 +11,7 @@
 #   Fused: gate_proj + up_proj (Cohere2MoeMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: gate_proj + up_proj (Cohere2MoeMLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
 #   Fused: q_proj + k_proj + v_proj (Cohere2MoeAttention) -> qkv_proj (QKVParallelLinear)
-#   Unfused: module (Cohere2MoeRotaryEmbedding): copied from the source
+#   Fused: apply_rotary_pos_emb (Cohere2MoeAttention) -> rotary_emb (get_rope, GPT-J pairs)
 #   Unfused: module (Cohere2MoeLayerNorm): copied from the source (the weight is not applied as a multiply after the cast back)
 #   Unfused: module (Cohere2MoeRMSNorm): copied from the source
 #   Unfused: decoder layer (Cohere2MoeDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
@@ -48,6 +48,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -68,9 +69,6 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from collections.abc import Callable
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_rope_utils import dynamic_rope_update
 import torch.nn.functional as F
 
 
@@ -287,42 +285,6 @@ class Cohere2MoeSparseMoeBlock(nn.Module):
         return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
 
 
-def rotate_half(x):
-    # Split and rotate. Note that this function is different from e.g. Llama.
-    x1 = x[..., ::2]
-    x2 = x[..., 1::2]
-    rot_x = torch.stack([-x2, x1], dim=-1).flatten(-2)
-    return rot_x
-
-
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Applies Rotary Position Embedding to the query and key tensors.
-
-    Args:
-        q (`torch.Tensor`): The query tensor.
-        k (`torch.Tensor`): The key tensor.
-        cos (`torch.Tensor`): The cosine part of the rotary embedding.
-        sin (`torch.Tensor`): The sine part of the rotary embedding.
-        unsqueeze_dim (`int`, *optional*, defaults to 1):
-            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
-            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
-            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
-            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
-            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
-            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
-    Returns:
-        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
-    """
-    dtype = q.dtype
-    q = q.float()
-    k = k.float()
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
-    return q_embed.to(dtype=dtype), k_embed.to(dtype=dtype)
-
-
 class Cohere2MoeAttention(nn.Module):
     """Multi-headed attention from 'Attention Is All You Need' paper"""
 
@@ -375,6 +337,12 @@ class Cohere2MoeAttention(nn.Module):
             config.mlp_layer_types[layer_idx] == "dense"
             and config.prefix_dense_sliding_window_pattern == 1
         )
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            max_position=config.max_position_embeddings,
+            is_neox_style=False,
+            rope_parameters=config.rope_parameters,
+        )
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = self.sliding_window
@@ -400,9 +368,10 @@ class Cohere2MoeAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] = None,
+        attention_mask: torch.Tensor | None = None,
         past_key_values=None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
         input_shape = hidden_states.shape[:-1]
@@ -414,11 +383,9 @@ class Cohere2MoeAttention(nn.Module):
         query_states = q.view(hidden_shape).transpose(1, 2)
         key_states = k.view(hidden_shape).transpose(1, 2)
         value_states = v.view(hidden_shape).transpose(1, 2)
-
-        cos, sin = position_embeddings
         if self.sliding_window is not None or self.force_rope:
-            query_states, key_states = apply_rotary_pos_emb(
-                query_states, key_states, cos, sin
+            query_states, key_states = self._vllm_rope(
+                positions, query_states, key_states
             )
 
         attn_output = vllm_attention(self.attn, query_states, key_states, value_states)
@@ -426,6 +393,17 @@ class Cohere2MoeAttention(nn.Module):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, None
+
+    def _vllm_rope(self, positions, query, key):
+        # vLLM's rope takes [tokens, heads * head size]; the source holds
+        # [1, heads, tokens, head size]
+        tokens = positions.shape[-1]
+        q, k = (t.transpose(1, 2).reshape(tokens, -1) for t in (query, key))
+        q, k = self.rotary_emb(positions, q, k)
+        return tuple(
+            r.view(t.transpose(1, 2).shape).transpose(1, 2)
+            for r, t in ((q, query), (k, key))
+        )
 
 
 class Cohere2MoeDecoderLayer(nn.Module):
@@ -471,6 +449,7 @@ class Cohere2MoeDecoderLayer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         past_key_values=None,
         use_cache: bool | None = False,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """
@@ -494,68 +473,14 @@ class Cohere2MoeDecoderLayer(nn.Module):
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states_attention, _ = self.self_attn(
             hidden_states=hidden_states,
-            position_embeddings=position_embeddings,
             attention_mask=attention_mask,
+            positions=positions,
             **kwargs,
         )
 
         hidden_states_mlp = self.mlp(hidden_states)
         hidden_states = residual + hidden_states_attention + hidden_states_mlp
         return hidden_states
-
-
-class Cohere2MoeRotaryEmbedding(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-
-        self.config = config
-
-        self.rope_type = self.config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init_fn(self.config)
-
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
-
-    @staticmethod
-    def compute_default_rope_parameters(config, **kwargs) -> tuple[torch.Tensor, float]:
-        """
-        Computes the inverse frequencies according to the original RoPE implementation
-        Args:
-            config ([`~transformers.PreTrainedConfig`]):
-                The model configuration.
-        Returns:
-            Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
-            post-processing scaling factor applied to the computed cos/sin (unused in this type of RoPE).
-        """
-        base = config.rope_parameters["rope_theta"]
-        dim = (
-            getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads
-        )
-
-        attention_factor = 1.0  # Unused in this type of RoPE
-        # Compute the inverse frequencies
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq, attention_factor
-
-    @torch.no_grad()
-    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
-    def forward(self, x, position_ids):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(
-            device=x.device, dtype=torch.float
-        )
-        emb = torch.repeat_interleave(
-            freqs, 2, dim=-1
-        )  # diff from Llama: we interleave() instead of cat()
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 class Cohere2MoeModel(nn.Module):
@@ -599,7 +524,6 @@ class Cohere2MoeModel(nn.Module):
             )
         else:
             self.norm = PPMissingLayer()
-        self.rotary_emb = Cohere2MoeRotaryEmbedding(config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states"], config.hidden_size
         )
@@ -630,7 +554,6 @@ class Cohere2MoeModel(nn.Module):
         }
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for i, decoder_layer in enumerate(
             islice(self.layers, self.start_layer, self.end_layer),
             start=self.start_layer,
@@ -638,8 +561,8 @@ class Cohere2MoeModel(nn.Module):
             hidden_states = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask_mapping[self.config.layer_types[i]],
-                position_embeddings=position_embeddings,
                 position_ids=position_ids,
+                positions=positions,
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

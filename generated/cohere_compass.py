@@ -16,6 +16,7 @@
 #   Unfused: attention (CohereCompassAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
 #   Refused: CohereCompassLayerNorm (CohereCompassLayerNorm): the weight is not applied as a multiply after the cast back
 #   Refused: attention (CohereCompassAttention): not vLLM's own layout: query (merged GEMM, head norm, rope): the fused form differs (max rel err 1.6e+00 > 1e-05)
+#   Refused: rotary embedding (CohereCompassAttention): vLLM's rope computes something else (no head size, rotated dims, pair style and config rope parameters give the source's numbers)
 #   Refused: residual add + norm (CohereCompassDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of CohereCompassForCausalLM, generated from transformers/models/cohere_compass/modeling_cohere_compass.py."""

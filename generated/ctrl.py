@@ -10,6 +10,7 @@
 # Fusion report:
 #   Unfused: decoder layer (EncoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (MultiHeadAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Unfused: tensor parallel (MultiHeadAttention): replicated on every rank: Wq, Wk, Wv, dense (transformers' TP plan has no entry for them)
 #   Refused: q/k/v projections (MultiHeadAttention): the projections read different tensors (k, q, v)
 #   Refused: residual add + norm (EncoderLayer): `normed = self.layernorm1(x)` does not save the residual stream
 # ======================================================================================

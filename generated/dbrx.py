@@ -8,6 +8,7 @@
 # architecture:  GeneratedDbrxForCausalLM -> DbrxForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: apply_rotary_pos_emb (DbrxAttention) -> rotary_emb (get_rope, NeoX halves)
 #   Unfused: decoder layer (DbrxBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (DbrxFFN): copied from the source
 #   Unfused: module (DbrxExperts): copied from the source
@@ -16,6 +17,8 @@
 #   Unfused: module (DbrxNormAttentionNorm): copied from the source
 #   Unfused: attention (DbrxAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: module (DbrxRotaryEmbedding): copied from the source
+#   Unfused: tensor parallel (DbrxRouter): replicated on every rank: layer (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (DbrxAttention): replicated on every rank: Wqkv, out_proj (transformers' TP plan has no entry for them)
 #   Unfused: torch.compile (DbrxModel): off: DbrxExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: q/k/v projections (DbrxAttention): `query_states` between a projection and attention
 #   Refused: residual add + norm (DbrxBlock): `resid_states, hidden_states = self.norm_attn_norm(` does not save the residual stream
@@ -37,6 +40,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -129,38 +133,6 @@ class DbrxRotaryEmbedding(nn.Module):
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
-def rotate_half(x):
-    """Rotates half the hidden dims of the input."""
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Applies Rotary Position Embedding to the query and key tensors.
-
-    Args:
-        q (`torch.Tensor`): The query tensor.
-        k (`torch.Tensor`): The key tensor.
-        cos (`torch.Tensor`): The cosine part of the rotary embedding.
-        sin (`torch.Tensor`): The sine part of the rotary embedding.
-        unsqueeze_dim (`int`, *optional*, defaults to 1):
-            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
-            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
-            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
-            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
-            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
-            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
-    Returns:
-        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
-    """
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
-    return q_embed, k_embed
-
-
 class DbrxAttention(nn.Module):
     """Modular DBRX attention component that can be reused across different model architectures."""
 
@@ -205,6 +177,12 @@ class DbrxAttention(nn.Module):
             prefix=f"{prefix}.out_proj",
             return_bias=False,
         )
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            max_position=config.max_position_embeddings,
+            is_neox_style=True,
+            rope_parameters=config.rope_parameters,
+        )
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -233,6 +211,7 @@ class DbrxAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_embeddings: torch.LongTensor | None = None,
         past_key_values=None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         input_shape = hidden_states.shape[:-1]
@@ -254,17 +233,24 @@ class DbrxAttention(nn.Module):
         query_states = query_states.view(hidden_shape).transpose(1, 2)
         key_states = key_states.view(hidden_shape).transpose(1, 2)
         value_states = value_states.view(hidden_shape).transpose(1, 2)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(
-            query_states, key_states, cos, sin
-        )
+        query_states, key_states = self._vllm_rope(positions, query_states, key_states)
 
         attn_output = vllm_attention(self.attn, query_states, key_states, value_states)
 
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.out_proj(attn_output)
         return attn_output, None
+
+    def _vllm_rope(self, positions, query, key):
+        # vLLM's rope takes [tokens, heads * head size]; the source holds
+        # [1, heads, tokens, head size]
+        tokens = positions.shape[-1]
+        q, k = (t.transpose(1, 2).reshape(tokens, -1) for t in (query, key))
+        q, k = self.rotary_emb(positions, q, k)
+        return tuple(
+            r.view(t.transpose(1, 2).shape).transpose(1, 2)
+            for r, t in ((q, query), (k, key))
+        )
 
 
 class DbrxExpertGLU(nn.Module):
@@ -437,6 +423,7 @@ class DbrxNormAttentionNorm(nn.Module):
         position_embeddings: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
         past_key_values=None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         residual_states = hidden_states
@@ -445,7 +432,7 @@ class DbrxNormAttentionNorm(nn.Module):
         hidden_states, _ = self.attn(
             hidden_states=hidden_states,
             attention_mask=attention_mask,
-            position_embeddings=position_embeddings,
+            positions=positions,
             **kwargs,
         )
 
@@ -488,12 +475,14 @@ class DbrxBlock(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_embeddings: torch.LongTensor | None = None,
         past_key_values=None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ):
         resid_states, hidden_states = self.norm_attn_norm(
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_embeddings=position_embeddings,
+            positions=positions,
             **kwargs,
         )
 
@@ -573,6 +562,7 @@ class DbrxModel(nn.Module):
                 position_embeddings=position_embeddings,
                 attention_mask=None,
                 position_ids=position_ids,
+                positions=positions,
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

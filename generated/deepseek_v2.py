@@ -23,6 +23,7 @@
 #   Unfused: module (DeepseekV2TopkRouter): copied from the source
 #   Unfused: module (DeepseekV2Experts): copied from the source
 #   Unfused: attention (DeepseekV2Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Unfused: tensor parallel (DeepseekV2Attention): replicated on every rank: kv_a_proj_with_mqa, kv_b_proj, o_proj (transformers' TP plan has no entry for them)
 #   Unfused: latent attention (DeepseekV2ForCausalLM): its attention is emitted from the source on vLLM's standard attention (expanded keys and values), so vLLM's MLA path must be off: VLLM_MLA_DISABLE=1
 #   Unfused: torch.compile (DeepseekV2Model): off: DeepseekV2Experts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (DeepseekV2Moe): the router's top-k is not `torch.topk(..., self.<k>)`, once or per group

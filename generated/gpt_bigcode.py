@@ -11,6 +11,8 @@
 #   Unfused: decoder layer (GPTBigCodeBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (GPTBigCodeMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (GPTBigCodeAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Unfused: tensor parallel (GPTBigCodeMLP): replicated on every rank: c_fc, c_proj (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (GPTBigCodeAttention): replicated on every rank: c_attn, q_attn, c_proj (transformers' TP plan has no entry for them)
 #   Refused: gate/up projections (GPTBigCodeMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: q/k/v projections (GPTBigCodeAttention): `curr_past_key_values.layers[self.layer_idx].keys` between a projection and attention
 #   Refused: residual add + norm (GPTBigCodeBlock): self.ln_1 is not an RMSNorm

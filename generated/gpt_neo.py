@@ -12,6 +12,8 @@
 #   Unfused: module (GPTNeoMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: module (GPTNeoAttention): copied from the source
 #   Unfused: attention (GPTNeoSelfAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=1.0, window=config.window_size if self.attention_type == 'local' else None)
+#   Unfused: tensor parallel (GPTNeoMLP): replicated on every rank: c_fc, c_proj (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (GPTNeoSelfAttention): replicated on every rank: k_proj, v_proj, out_proj (transformers' TP plan has no entry for them)
 #   Refused: gate/up projections (GPTNeoMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: residual add + norm (GPTNeoBlock): forward does not end with `return <hidden states>`
 # ======================================================================================

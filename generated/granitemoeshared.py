@@ -17,6 +17,7 @@
 #   Unfused: module (GraniteMoeSharedMoE): copied from the source (no router class matched)
 #   Unfused: module (GraniteMoeSharedExperts): copied from the source
 #   Unfused: module (GraniteMoeSharedTopKRouter): copied from the source
+#   Unfused: tensor parallel (GraniteMoeSharedMLP): replicated on every rank: input_linear, output_linear (transformers' TP plan has no entry for them)
 #   Unfused: torch.compile (GraniteMoeSharedModel): off: GraniteMoeSharedExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (GraniteMoeSharedMoE): no router class matched
 #   Refused: gate/up projections (GraniteMoeSharedMLP): forward has no `down(act(gate(x)) * up(x))` product

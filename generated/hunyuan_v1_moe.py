@@ -15,9 +15,9 @@
 #   Fused: key_layernorm (HunYuanMoEV1Attention) -> key_layernorm (RMSNorm)
 #   Fused: gate_proj + up_proj (HunYuanMoEV1MLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_mlp)
 #   Fused: q_proj + k_proj + v_proj (HunYuanMoEV1Attention) -> qkv_proj (QKVParallelLinear)
+#   Fused: apply_rotary_pos_emb (HunYuanMoEV1Attention) -> rotary_emb (get_rope, NeoX halves)
 #   Fused: residual add + input_layernorm (HunYuanMoEV1DecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (HunYuanMoEV1DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
-#   Unfused: module (HunYuanMoEV1RotaryEmbedding): copied from the source
 #   Unfused: module (HunYuanMoEV1Moe): copied from the source (the router logits are not one linear of self.<weight>)
 #   Unfused: module (HunYuanMoEV1Experts): copied from the source
 #   Unfused: module (HunYuanMoEV1Gate): copied from the source
@@ -50,6 +50,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -70,9 +71,6 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from collections.abc import Callable
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_rope_utils import dynamic_rope_update
 import torch.nn.functional as F
 
 
@@ -122,38 +120,6 @@ class HunYuanMoEV1MLP(nn.Module):
         return x
 
 
-def rotate_half(x):
-    """Rotates half the hidden dims of the input."""
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Applies Rotary Position Embedding to the query and key tensors.
-
-    Args:
-        q (`torch.Tensor`): The query tensor.
-        k (`torch.Tensor`): The key tensor.
-        cos (`torch.Tensor`): The cosine part of the rotary embedding.
-        sin (`torch.Tensor`): The sine part of the rotary embedding.
-        unsqueeze_dim (`int`, *optional*, defaults to 1):
-            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
-            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
-            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
-            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
-            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
-            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
-    Returns:
-        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
-    """
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
-    return q_embed, k_embed
-
-
 class HunYuanMoEV1Attention(nn.Module):
     """Multi-headed attention from 'Attention Is All You Need' paper"""
 
@@ -199,6 +165,12 @@ class HunYuanMoEV1Attention(nn.Module):
         )
         self.query_layernorm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.key_layernorm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            max_position=config.max_position_embeddings,
+            is_neox_style=True,
+            rope_parameters=config.rope_parameters,
+        )
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -224,9 +196,10 @@ class HunYuanMoEV1Attention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] = None,
+        attention_mask: torch.Tensor | None = None,
         past_key_values=None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         input_shape = hidden_states.shape[:-1]
@@ -238,11 +211,7 @@ class HunYuanMoEV1Attention(nn.Module):
         query_states = q.view(hidden_shape).transpose(1, 2)
         key_states = k.view(hidden_shape).transpose(1, 2)
         value_states = v.view(hidden_shape).transpose(1, 2)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(
-            query_states, key_states, cos, sin
-        )
+        query_states, key_states = self._vllm_rope(positions, query_states, key_states)
         query_states = self.query_layernorm(query_states)
         key_states = self.key_layernorm(key_states)
 
@@ -251,6 +220,17 @@ class HunYuanMoEV1Attention(nn.Module):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, None
+
+    def _vllm_rope(self, positions, query, key):
+        # vLLM's rope takes [tokens, heads * head size]; the source holds
+        # [1, heads, tokens, head size]
+        tokens = positions.shape[-1]
+        q, k = (t.transpose(1, 2).reshape(tokens, -1) for t in (query, key))
+        q, k = self.rotary_emb(positions, q, k)
+        return tuple(
+            r.view(t.transpose(1, 2).shape).transpose(1, 2)
+            for r, t in ((q, query), (k, key))
+        )
 
 
 class HunYuanMoEV1Gate(nn.Module):
@@ -413,6 +393,7 @@ class HunYuanMoEV1DecoderLayer(nn.Module):
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         residual: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ):
         if residual is None:
@@ -426,81 +407,12 @@ class HunYuanMoEV1DecoderLayer(nn.Module):
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            position_embeddings=position_embeddings,
+            positions=positions,
             **kwargs,
         )
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
         return hidden_states, residual
-
-
-class HunYuanMoEV1RotaryEmbedding(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-
-        self.config = config
-        self.rope_type = self.config.rope_parameters["rope_type"]
-
-        # Diff from Llama - DynamicNTKAlphaRotary
-        if self.rope_type == "dynamic" and self.config.rope_parameters.get("alpha"):
-            self.dim = config.head_dim
-            base = self.config.rope_parameters[
-                "rope_theta"
-            ] * self.config.rope_parameters["alpha"] ** (
-                self.config.head_dim / (self.config.head_dim - 2)
-            )
-            inv_freq = 1.0 / (
-                base
-                ** (
-                    torch.arange(0, self.dim, 2, dtype=torch.float)
-                    / self.config.head_dim
-                )
-            )
-            self.attention_scaling = 1.0
-        else:
-            rope_init_fn: Callable = self.compute_default_rope_parameters
-            if self.rope_type != "default":
-                rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-            inv_freq, self.attention_scaling = rope_init_fn(self.config)
-
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
-
-    @staticmethod
-    def compute_default_rope_parameters(config, **kwargs) -> tuple[torch.Tensor, float]:
-        """
-        Computes the inverse frequencies according to the original RoPE implementation
-        Args:
-            config ([`~transformers.PreTrainedConfig`]):
-                The model configuration.
-        Returns:
-            Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
-            post-processing scaling factor applied to the computed cos/sin (unused in this type of RoPE).
-        """
-        base = config.rope_parameters["rope_theta"]
-        dim = (
-            getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads
-        )
-
-        attention_factor = 1.0  # Unused in this type of RoPE
-        # Compute the inverse frequencies
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq, attention_factor
-
-    @torch.no_grad()
-    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
-    def forward(self, x, position_ids):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(
-            device=x.device, dtype=torch.float
-        )
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 class HunYuanMoEV1Model(nn.Module):
@@ -536,7 +448,6 @@ class HunYuanMoEV1Model(nn.Module):
             self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         else:
             self.norm = PPMissingLayer()
-        self.rotary_emb = HunYuanMoEV1RotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states", "residual"], config.hidden_size
         )
@@ -563,17 +474,15 @@ class HunYuanMoEV1Model(nn.Module):
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
             hidden_states = inputs_embeds
-        # create position embeddings to be shared across the decoder layers
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
         if get_pp_group().is_first_rank:
             residual = None
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states, residual = decoder_layer(
                 hidden_states,
-                position_embeddings=position_embeddings,
                 attention_mask=None,
                 position_ids=position_ids,
                 residual=residual,
+                positions=positions,
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors(

@@ -15,9 +15,9 @@
 #   Fused: k_norm (LagunaAttention) -> k_norm (RMSNorm)
 #   Fused: gate_proj + up_proj (LagunaMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: gate_proj + up_proj (LagunaMLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
+#   Fused: apply_rotary_pos_emb (LagunaAttention) -> rotary_emb (get_rope, NeoX halves)
 #   Fused: residual add + input_layernorm (LagunaDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (LagunaDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
-#   Unfused: module (LagunaRotaryEmbedding): copied from the source
 #   Unfused: module (LagunaSparseMoeBlock): copied from the source (the block also builds self.shared_experts, not a dense MLP added to the output)
 #   Unfused: module (LagunaTopKRouter): copied from the source
 #   Unfused: module (LagunaExperts): copied from the source
@@ -51,6 +51,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -71,9 +72,6 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from collections.abc import Callable
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_rope_utils import dynamic_rope_update
 import torch.nn.functional as F
 
 
@@ -90,87 +88,6 @@ def vllm_attention(
         value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
     out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
     return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
-
-
-class LagunaRotaryEmbedding(nn.Module):
-    def __init__(self, config, device=None):
-        super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-        self.config = config
-        self.layer_types = sorted(set(config.layer_types))
-        self.rope_type = {}
-        for layer_type in self.layer_types:
-            rope_params = self.config.rope_parameters[layer_type]
-            if rope_params is None:
-                continue
-
-            self.rope_type[layer_type] = rope_params["rope_type"]
-            rope_init_fn: Callable = self.compute_default_rope_parameters
-            if self.rope_type[layer_type] != "default":
-                rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type[layer_type]]
-            curr_inv_freq, curr_attention_scaling = rope_init_fn(
-                self.config, device, layer_type=layer_type
-            )
-            setattr(
-                self,
-                f"{layer_type}_inv_freq",
-                nn.Buffer(curr_inv_freq, persistent=False),
-            )
-            setattr(
-                self,
-                f"{layer_type}_original_inv_freq",
-                nn.Buffer(curr_inv_freq.clone(), persistent=False),
-            )
-            setattr(self, f"{layer_type}_attention_scaling", curr_attention_scaling)
-
-    @staticmethod
-    def compute_default_rope_parameters(
-        config, device=None, layer_type: str | None = None, **kwargs
-    ) -> tuple[torch.Tensor, float]:
-        """
-        Computes the inverse frequencies according to the original RoPE implementation
-        Args:
-            config ([`~transformers.PreTrainedConfig`]):
-                The model configuration.
-            layer_type (`str`, *optional*):
-                The current layer type if the model has different RoPE parameters per type.
-                Should not be used unless `config.layer_types is not None`
-        Returns:
-            Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
-            post-processing scaling factor applied to the computed cos/sin (unused in this type of RoPE).
-        """
-        base = config.rope_parameters[layer_type]["rope_theta"]
-        # key difference to gemma3: partial rope
-        partial_rotary_factor = config.rope_parameters[layer_type].get(
-            "partial_rotary_factor", 1.0
-        )
-        head_dim = (
-            getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads
-        )
-        dim = int(head_dim * partial_rotary_factor)
-
-        attention_factor = 1.0  # Unused in this type of RoPE
-
-        # Compute the inverse frequencies
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq.to(device), attention_factor
-
-    @torch.no_grad()
-    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
-    def forward(self, x, position_ids, layer_type):
-        inv_freq = getattr(self, f"{layer_type}_inv_freq")
-        attention_scaling = getattr(self, f"{layer_type}_attention_scaling")
-
-        freqs = position_ids[..., None].float() * inv_freq.to(
-            device=x.device, dtype=torch.float
-        )
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * attention_scaling
-        sin = emb.sin() * attention_scaling
-
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 class LagunaMLP(nn.Module):
@@ -331,52 +248,6 @@ class LagunaSparseMoeBlock(nn.Module):
         return hidden_states
 
 
-def rotate_half(x):
-    """Rotates half the hidden dims of the input."""
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-# Adapted from transformers.models.glm.modular_glm.apply_rotary_pos_emb
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Applies Rotary Position Embedding to the query and key tensors.
-
-    Removes the interleaving of cos and sin from GLM
-
-    Args:
-        q (`torch.Tensor`): The query tensor.
-        k (`torch.Tensor`): The key tensor.
-        cos (`torch.Tensor`): The cosine part of the rotary embedding.
-        sin (`torch.Tensor`): The sine part of the rotary embedding.
-        unsqueeze_dim (`int`, *optional*, defaults to 1):
-            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
-            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
-            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
-            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
-            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
-            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
-    Returns:
-        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
-    """
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-
-    # Keep half or full tensor for later concatenation
-    rotary_dim = cos.shape[-1]
-    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
-    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
-
-    # Apply rotary embeddings on the first half or full tensor
-    q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)
-    k_embed = (k_rot * cos) + (rotate_half(k_rot) * sin)
-
-    # Concatenate back to full shape
-    q_embed = torch.cat([q_embed, q_pass], dim=-1)
-    k_embed = torch.cat([k_embed, k_pass], dim=-1)
-    return q_embed, k_embed
-
-
 class LagunaAttention(nn.Module):
     """Afmoe-style SWA/GQA attention with Laguna-specific gating and per-layer head count."""
 
@@ -452,6 +323,12 @@ class LagunaAttention(nn.Module):
             prefix=f"{prefix}.g_proj",
             return_bias=False,
         )
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            max_position=config.max_position_embeddings,
+            is_neox_style=True,
+            rope_parameters=config.rope_parameters[config.layer_types[layer_idx]],
+        )
         # tensor parallel: q/k/v are column-parallel, so this rank holds its share
         # of the heads (the source's reshapes count heads per rank)
         tp_size = get_tensor_model_parallel_world_size()
@@ -484,9 +361,10 @@ class LagunaAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] = None,
+        attention_mask: torch.Tensor | None = None,
         past_key_values=None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
@@ -499,11 +377,7 @@ class LagunaAttention(nn.Module):
         query_states = self.q_norm(query_states).transpose(1, 2)
         key_states = self.k_norm(key_states).transpose(1, 2)
         value_states = value_states.transpose(1, 2)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(
-            query_states, key_states, cos, sin
-        )
+        query_states, key_states = self._vllm_rope(positions, query_states, key_states)
         attn_output = vllm_attention(self.attn, query_states, key_states, value_states)
 
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
@@ -518,6 +392,17 @@ class LagunaAttention(nn.Module):
 
         attn_output = self.o_proj(attn_output)
         return attn_output, None
+
+    def _vllm_rope(self, positions, query, key):
+        # vLLM's rope takes [tokens, heads * head size]; the source holds
+        # [1, heads, tokens, head size]
+        tokens = positions.shape[-1]
+        q, k = (t.transpose(1, 2).reshape(tokens, -1) for t in (query, key))
+        q, k = self.rotary_emb(positions, q, k)
+        return tuple(
+            r.view(t.transpose(1, 2).shape).transpose(1, 2)
+            for r, t in ((q, query), (k, key))
+        )
 
 
 class LagunaDecoderLayer(nn.Module):
@@ -562,6 +447,7 @@ class LagunaDecoderLayer(nn.Module):
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         residual: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ):
         if residual is None:
@@ -575,7 +461,7 @@ class LagunaDecoderLayer(nn.Module):
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            position_embeddings=position_embeddings,
+            positions=positions,
             **kwargs,
         )
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
@@ -616,7 +502,6 @@ class LagunaModel(nn.Module):
             self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         else:
             self.norm = PPMissingLayer()
-        self.rotary_emb = LagunaRotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states", "residual"], config.hidden_size
         )
@@ -651,11 +536,6 @@ class LagunaModel(nn.Module):
             causal_mask_mapping[layer_type] = mask_creation_functions[layer_type]()
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
-        position_embeddings = {}
-        for layer_type in set(self.config.layer_types):
-            position_embeddings[layer_type] = self.rotary_emb(
-                hidden_states, position_ids, layer_type
-            )
         if get_pp_group().is_first_rank:
             residual = None
         for i, decoder_layer in enumerate(
@@ -665,9 +545,9 @@ class LagunaModel(nn.Module):
             hidden_states, residual = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask_mapping[self.config.layer_types[i]],
-                position_embeddings=position_embeddings[self.config.layer_types[i]],
                 position_ids=position_ids,
                 residual=residual,
+                positions=positions,
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors(

@@ -18,6 +18,7 @@
 #   Unfused: module (MiMoV2FlashRotaryEmbedding): copied from the source
 #   Unfused: attention (MiMoV2FlashAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window, sinks=self.sinks)
 #   Refused: q/k/v projections (MiMoV2FlashAttention): `self.v_proj(hidden_states).view(v_hidden_shape).transpose(1, 2) * self.v_scale` between a projection and attention
+#   Refused: rotary embedding (MiMoV2FlashAttention): vLLM's rope computes something else (no head size, rotated dims, pair style and config rope parameters give the source's numbers)
 # ======================================================================================
 """Native vLLM implementation of MiMoV2FlashForCausalLM, generated from transformers/models/mimo_v2_flash/modeling_mimo_v2_flash.py."""
 

@@ -8,12 +8,15 @@
 # architecture:  GeneratedModernBertDecoderForCausalLM -> ModernBertDecoderForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: apply_rotary_pos_emb (ModernBertDecoderAttention) -> rotary_emb (get_rope, NeoX halves)
 #   Unfused: module (ModernBertDecoderPredictionHead): copied from the source
-#   Unfused: module (ModernBertDecoderRotaryEmbedding): copied from the source
 #   Unfused: decoder layer (ModernBertDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (ModernBertDecoderMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (ModernBertDecoderAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
 #   Unfused: module (ModernBertDecoderEmbeddings): copied from the source
+#   Unfused: tensor parallel (ModernBertDecoderPredictionHead): replicated on every rank: dense (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (ModernBertDecoderMLP): replicated on every rank: Wi, Wo (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (ModernBertDecoderAttention): replicated on every rank: q_proj, k_proj, v_proj, Wo (transformers' TP plan has no entry for them)
 #   Refused: gate/up projections (ModernBertDecoderMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: q/k/v projections (ModernBertDecoderAttention): output size `self.all_head_size` is not `<heads> * self.<head_dim>`
 #   Refused: residual add + norm (ModernBertDecoderLayer): self.attn_norm is not an RMSNorm
@@ -36,6 +39,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -55,10 +59,6 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
-
-from collections.abc import Callable
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_rope_utils import dynamic_rope_update
 
 
 def vllm_attention(
@@ -145,116 +145,6 @@ class ModernBertDecoderMLP(nn.Module):
         return self.Wo(self.drop(self.act(input) * gate))
 
 
-class ModernBertDecoderRotaryEmbedding(nn.Module):
-    def __init__(self, config, device=None):
-        super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-        self.config = config
-        self.layer_types = sorted(set(config.layer_types))
-        self.rope_type = {}
-        for layer_type in self.layer_types:
-            rope_params = self.config.rope_parameters[layer_type]
-            if rope_params is None:
-                continue
-
-            self.rope_type[layer_type] = rope_params["rope_type"]
-            rope_init_fn: Callable = self.compute_default_rope_parameters
-            if self.rope_type[layer_type] != "default":
-                rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type[layer_type]]
-            curr_inv_freq, curr_attention_scaling = rope_init_fn(
-                self.config, device, layer_type=layer_type
-            )
-            setattr(
-                self,
-                f"{layer_type}_inv_freq",
-                nn.Buffer(curr_inv_freq, persistent=False),
-            )
-            setattr(
-                self,
-                f"{layer_type}_original_inv_freq",
-                nn.Buffer(curr_inv_freq.clone(), persistent=False),
-            )
-            setattr(self, f"{layer_type}_attention_scaling", curr_attention_scaling)
-
-    @staticmethod
-    def compute_default_rope_parameters(
-        config, device=None, layer_type: str | None = None, **kwargs
-    ) -> tuple[torch.Tensor, float]:
-        """
-        Computes the inverse frequencies according to the original RoPE implementation
-        Args:
-            config ([`~transformers.PreTrainedConfig`]):
-                The model configuration.
-            layer_type (`str`):
-                The current layer type if the model has different RoPE parameters per type.
-                Should not be used unless `config.layer_types is not None`
-
-        Returns:
-            Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
-            post-processing scaling factor applied to the computed cos/sin (unused in this type of RoPE).
-        """
-        # For backward compatibility standardize the `rope_parameters_dict` if it uses old format
-        base = config.rope_parameters[layer_type]["rope_theta"]
-        dim = (
-            getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads
-        )
-
-        attention_factor = 1.0  # Unused in this type of RoPE
-        # Compute the inverse frequencies
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq.to(device), attention_factor
-
-    @torch.no_grad()
-    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
-    def forward(self, x, position_ids, layer_type):
-        inv_freq = getattr(self, f"{layer_type}_inv_freq")
-        attention_scaling = getattr(self, f"{layer_type}_attention_scaling")
-
-        freqs = position_ids[..., None].float() * inv_freq.to(
-            device=x.device, dtype=torch.float
-        )
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * attention_scaling
-        sin = emb.sin() * attention_scaling
-
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
-
-
-def rotate_half(x):
-    """Rotates half the hidden dims of the input."""
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Applies Rotary Position Embedding to the query and key tensors.
-
-    Args:
-        q (`torch.Tensor`): The query tensor.
-        k (`torch.Tensor`): The key tensor.
-        cos (`torch.Tensor`): The cosine part of the rotary embedding.
-        sin (`torch.Tensor`): The sine part of the rotary embedding.
-        unsqueeze_dim (`int`, *optional*, defaults to 1):
-            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
-            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
-            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
-            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
-            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
-            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
-    Returns:
-        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
-    """
-    original_dtype = q.dtype
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q.float() * cos) + (rotate_half(q.float()) * sin)
-    k_embed = (k.float() * cos) + (rotate_half(k.float()) * sin)
-    return q_embed.to(original_dtype), k_embed.to(original_dtype)
-
-
 class ModernBertDecoderAttention(nn.Module):
     """Performs causal multi-headed self attention for ModernBERT decoder.
 
@@ -325,6 +215,12 @@ class ModernBertDecoderAttention(nn.Module):
             if config.layer_types[layer_idx] == "sliding_attention"
             else None
         )
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            max_position=config.max_position_embeddings,
+            is_neox_style=True,
+            rope_parameters=config.rope_parameters[config.layer_types[layer_idx]],
+        )
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = self.sliding_window
@@ -350,9 +246,10 @@ class ModernBertDecoderAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: torch.Tensor,
-        attention_mask: torch.Tensor | None,
+        position_embeddings: torch.Tensor = None,
+        attention_mask: torch.Tensor | None = None,
         past_key_values=None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
@@ -361,17 +258,24 @@ class ModernBertDecoderAttention(nn.Module):
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(
-            query_states, key_states, cos, sin
-        )
+        query_states, key_states = self._vllm_rope(positions, query_states, key_states)
 
         attn_output = vllm_attention(self.attn, query_states, key_states, value_states)
 
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.out_drop(self.Wo(attn_output))
         return attn_output, None
+
+    def _vllm_rope(self, positions, query, key):
+        # vLLM's rope takes [tokens, heads * head size]; the source holds
+        # [1, heads, tokens, head size]
+        tokens = positions.shape[-1]
+        q, k = (t.transpose(1, 2).reshape(tokens, -1) for t in (query, key))
+        q, k = self.rotary_emb(positions, q, k)
+        return tuple(
+            r.view(t.transpose(1, 2).shape).transpose(1, 2)
+            for r, t in ((q, query), (k, key))
+        )
 
 
 class ModernBertDecoderLayer(nn.Module):
@@ -409,6 +313,7 @@ class ModernBertDecoderLayer(nn.Module):
         position_embeddings: torch.Tensor = None,
         attention_mask: torch.Tensor | None = None,
         past_key_values=None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.FloatTensor, tuple[torch.FloatTensor, torch.FloatTensor] | None]:
         residual = hidden_states
@@ -417,8 +322,8 @@ class ModernBertDecoderLayer(nn.Module):
         # Self Attention
         attn_outputs = self.attn(
             hidden_states=hidden_states,
-            position_embeddings=position_embeddings,
             attention_mask=attention_mask,
+            positions=positions,
             **kwargs,
         )
         hidden_states = attn_outputs[0]
@@ -489,7 +394,6 @@ class ModernBertDecoderModel(nn.Module):
             )
         else:
             self.final_norm = PPMissingLayer()
-        self.rotary_emb = ModernBertDecoderRotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states"], config.hidden_size
         )
@@ -520,11 +424,6 @@ class ModernBertDecoderModel(nn.Module):
             "full_attention": None,
             "sliding_attention": None,
         }
-        position_embeddings = {}
-        for layer_type in set(self.config.layer_types):
-            position_embeddings[layer_type] = self.rotary_emb(
-                hidden_states, position_ids, layer_type
-            )
         for i, decoder_layer in enumerate(
             islice(self.layers, self.start_layer, self.end_layer),
             start=self.start_layer,
@@ -532,8 +431,8 @@ class ModernBertDecoderModel(nn.Module):
             hidden_states = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask_mapping[self.config.layer_types[i]],
-                position_embeddings=position_embeddings[self.config.layer_types[i]],
                 position_ids=position_ids,
+                positions=positions,
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

@@ -11,6 +11,8 @@
 #   Unfused: decoder layer (MptBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (MptMLP): copied from the source
 #   Unfused: attention (MptAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5, alibi=alibi_slopes(self.n_heads))
+#   Unfused: tensor parallel (MptMLP): replicated on every rank: up_proj, down_proj (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (MptAttention): replicated on every rank: Wqkv, out_proj (transformers' TP plan has no entry for them)
 #   Refused: residual add + norm (MptBlock): forward does not end with `return <hidden states>`
 # ======================================================================================
 """Native vLLM implementation of MptForCausalLM, generated from transformers/models/mpt/modeling_mpt.py."""

@@ -17,6 +17,7 @@
 #   Refused: NanoChatRMSNorm (NanoChatRMSNorm): the weight is not applied as a multiply after the cast back
 #   Refused: gate/up projections (NanoChatMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: attention (NanoChatAttention): not vLLM's own layout: query (merged GEMM, head norm, rope): the fused form differs (max rel err 1.6e+00 > 1e-05)
+#   Refused: rotary embedding (NanoChatAttention): vLLM's rope computes something else (no head size, rotated dims, pair style and config rope parameters give the source's numbers)
 #   Refused: residual add + norm (NanoChatDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of NanoChatForCausalLM, generated from transformers/models/nanochat/modeling_nanochat.py."""

@@ -10,7 +10,7 @@
 # Fusion report:
 #   Fused: gate_proj + up_proj (OlmoMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: q_proj + k_proj + v_proj (OlmoAttention) -> qkv_proj (QKVParallelLinear)
-#   Unfused: module (OlmoRotaryEmbedding): copied from the source
+#   Fused: apply_rotary_pos_emb (OlmoAttention) -> rotary_emb (get_rope, NeoX halves)
 #   Unfused: module (OlmoLayerNorm): copied from the source
 #   Unfused: decoder layer (OlmoDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (OlmoAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
@@ -38,6 +38,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -58,9 +59,6 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from collections.abc import Callable
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_rope_utils import dynamic_rope_update
 import torch.nn.functional as F
 
 
@@ -128,90 +126,6 @@ class OlmoMLP(nn.Module):
         return x
 
 
-class OlmoRotaryEmbedding(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-
-        self.config = config
-
-        self.rope_type = self.config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init_fn(self.config)
-
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
-
-    @staticmethod
-    def compute_default_rope_parameters(config, **kwargs) -> tuple[torch.Tensor, float]:
-        """
-        Computes the inverse frequencies according to the original RoPE implementation
-        Args:
-            config ([`~transformers.PreTrainedConfig`]):
-                The model configuration.
-        Returns:
-            Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
-            post-processing scaling factor applied to the computed cos/sin (unused in this type of RoPE).
-        """
-        base = config.rope_parameters["rope_theta"]
-        dim = (
-            getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads
-        )
-
-        attention_factor = 1.0  # Unused in this type of RoPE
-        # Compute the inverse frequencies
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq, attention_factor
-
-    @torch.no_grad()
-    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
-    def forward(self, x, position_ids):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(
-            device=x.device, dtype=torch.float
-        )
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-        return cos, sin
-
-
-def rotate_half(x):
-    """Rotates half the hidden dims of the input."""
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Applies Rotary Position Embedding to the query and key tensors.
-
-    Args:
-        q (`torch.Tensor`): The query tensor.
-        k (`torch.Tensor`): The key tensor.
-        cos (`torch.Tensor`): The cosine part of the rotary embedding.
-        sin (`torch.Tensor`): The sine part of the rotary embedding.
-        unsqueeze_dim (`int`, *optional*, defaults to 1):
-            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
-            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
-            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
-            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
-            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
-            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
-    Returns:
-        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
-    """
-    q_type, k_type = q.dtype, k.dtype
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
-    return q_embed.to(q_type), k_embed.to(k_type)
-
-
 class OlmoAttention(nn.Module):
     """Multi-headed attention from 'Attention Is All You Need' paper"""
 
@@ -255,6 +169,12 @@ class OlmoAttention(nn.Module):
             prefix=f"{prefix}.o_proj",
             return_bias=False,
         )
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            max_position=config.max_position_embeddings,
+            is_neox_style=True,
+            rope_parameters=config.rope_parameters,
+        )
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -280,9 +200,10 @@ class OlmoAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] = None,
+        attention_mask: torch.Tensor | None = None,
         past_key_values=None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
@@ -303,17 +224,24 @@ class OlmoAttention(nn.Module):
         query_states = query_states.view(hidden_shape).transpose(1, 2)
         key_states = key_states.view(hidden_shape).transpose(1, 2)
         value_states = value_states.view(hidden_shape).transpose(1, 2)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(
-            query_states, key_states, cos, sin
-        )
+        query_states, key_states = self._vllm_rope(positions, query_states, key_states)
 
         attn_output = vllm_attention(self.attn, query_states, key_states, value_states)
 
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, None
+
+    def _vllm_rope(self, positions, query, key):
+        # vLLM's rope takes [tokens, heads * head size]; the source holds
+        # [1, heads, tokens, head size]
+        tokens = positions.shape[-1]
+        q, k = (t.transpose(1, 2).reshape(tokens, -1) for t in (query, key))
+        q, k = self.rotary_emb(positions, q, k)
+        return tuple(
+            r.view(t.transpose(1, 2).shape).transpose(1, 2)
+            for r, t in ((q, query), (k, key))
+        )
 
 
 class OlmoDecoderLayer(nn.Module):
@@ -345,6 +273,7 @@ class OlmoDecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
         residual = hidden_states
@@ -354,7 +283,7 @@ class OlmoDecoderLayer(nn.Module):
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            position_embeddings=position_embeddings,
+            positions=positions,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -398,7 +327,6 @@ class OlmoModel(nn.Module):
             prefix=f"{prefix}.layers",
         )
         self.norm = OlmoLayerNorm(config.hidden_size)
-        self.rotary_emb = OlmoRotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states"], config.hidden_size
         )
@@ -424,13 +352,12 @@ class OlmoModel(nn.Module):
             if inputs_embeds is None:
                 inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
             hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states = decoder_layer(
                 hidden_states,
                 attention_mask=None,
-                position_embeddings=position_embeddings,
                 position_ids=position_ids,
+                positions=positions,
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

@@ -11,6 +11,8 @@
 #   Unfused: decoder layer (OPTDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (OPTAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=1.0)
 #   Unfused: module (OPTLearnedPositionalEmbedding): copied from the source
+#   Unfused: tensor parallel (OPTDecoderLayer): replicated on every rank: fc1, fc2 (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (OPTAttention): replicated on every rank: k_proj, v_proj, q_proj, out_proj (transformers' TP plan has no entry for them)
 #   Refused: q/k/v projections (OPTAttention): `self.q_proj(hidden_states) * self.scaling` between a projection and attention
 #   Refused: residual add + norm (OPTDecoderLayer): `# 125m, 1.7B, ..., 175B applies layer norm BEFORE attention` is not a norm of the saved stream
 # ======================================================================================

@@ -8,10 +8,12 @@
 # architecture:  GeneratedPersimmonForCausalLM -> PersimmonForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: module (PersimmonRotaryEmbedding): copied from the source
+#   Fused: apply_rotary_pos_emb (PersimmonAttention) -> rotary_emb (get_rope, NeoX halves)
 #   Unfused: decoder layer (PersimmonDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (PersimmonMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (PersimmonAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Unfused: tensor parallel (PersimmonMLP): replicated on every rank: dense_h_to_4h, dense_4h_to_h (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (PersimmonAttention): replicated on every rank: query_key_value, dense (transformers' TP plan has no entry for them)
 #   Refused: gate/up projections (PersimmonMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: q/k/v projections (PersimmonAttention): query_states is assigned twice
 #   Refused: residual add + norm (PersimmonDecoderLayer): self.input_layernorm is not an RMSNorm
@@ -34,6 +36,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -54,9 +57,6 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from collections.abc import Callable
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_rope_utils import dynamic_rope_update
 from transformers.utils import logging
 
 
@@ -76,95 +76,6 @@ def vllm_attention(
 
 
 logger = logging.get_logger(__name__)
-
-
-# Copied from transformers.models.llama.modeling_llama.LlamaRotaryEmbedding with Llama->Persimmon
-class PersimmonRotaryEmbedding(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-
-        self.config = config
-
-        self.rope_type = self.config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init_fn(self.config)
-
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
-
-    @staticmethod
-    # Ignore copy
-    def compute_default_rope_parameters(config, **kwargs) -> tuple[torch.Tensor, float]:
-        """
-        Computes the inverse frequencies according to the original RoPE implementation
-        Args:
-            config ([`~transformers.PreTrainedConfig`]):
-        Returns:
-            Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
-            post-processing scaling factor applied to the computed cos/sin (unused in this type of RoPE).
-        """
-        base = config.rope_parameters["rope_theta"]
-        partial_rotary_factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
-        head_dim = (
-            getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads
-        )
-        dim = int(head_dim * partial_rotary_factor)
-
-        attention_factor = 1.0  # Unused in this type of RoPE
-        # Compute the inverse frequencies
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq, attention_factor
-
-    @torch.no_grad()
-    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
-    def forward(self, x, position_ids):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(
-            device=x.device, dtype=torch.float
-        )
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
-
-
-# Copied from transformers.models.llama.modeling_llama.rotate_half
-def rotate_half(x):
-    """Rotates half the hidden dims of the input."""
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-# Copied from transformers.models.llama.modeling_llama.apply_rotary_pos_emb
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Applies Rotary Position Embedding to the query and key tensors.
-
-    Args:
-        q (`torch.Tensor`): The query tensor.
-        k (`torch.Tensor`): The key tensor.
-        cos (`torch.Tensor`): The cosine part of the rotary embedding.
-        sin (`torch.Tensor`): The sine part of the rotary embedding.
-        unsqueeze_dim (`int`, *optional*, defaults to 1):
-            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
-            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
-            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
-            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
-            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
-            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
-    Returns:
-        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
-    """
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
-    return q_embed, k_embed
 
 
 # Copied from transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXMLP with GPTNeoX->Persimmon
@@ -263,6 +174,12 @@ class PersimmonAttention(nn.Module):
                 elementwise_affine=True,
             )
         self.attention_dropout = nn.Dropout(config.attention_dropout)
+        self.rotary_emb = get_rope(
+            self.rotary_ndims,
+            max_position=config.max_position_embeddings,
+            is_neox_style=True,
+            rope_parameters={**config.rope_parameters, "rope_dim": self.rotary_ndims},
+        )
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -314,6 +231,7 @@ class PersimmonAttention(nn.Module):
         output_attentions: bool = False,
         use_cache: bool = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
         bsz, q_len, _ = hidden_states.size()
@@ -332,8 +250,6 @@ class PersimmonAttention(nn.Module):
         query_states = query_states.transpose(1, 2)
         value_states = value_states.transpose(1, 2)
         key_states = key_states.transpose(1, 2)
-
-        cos, sin = position_embeddings
         query_rot, query_pass = (
             query_states[..., : self.rotary_ndims],
             query_states[..., self.rotary_ndims :],
@@ -343,7 +259,7 @@ class PersimmonAttention(nn.Module):
             key_states[..., self.rotary_ndims :],
         )
         # [batch_size, seq_length, num_heads, head_dim // config.partial_rotary_factor]
-        query_rot, key_rot = apply_rotary_pos_emb(query_rot, key_rot, cos, sin)
+        query_rot, key_rot = self._vllm_rope(positions, query_rot, key_rot)
 
         # [batch_size, seq_length, num_heads, head_dim]
         query_states = torch.cat((query_rot, query_pass), dim=-1)
@@ -355,6 +271,17 @@ class PersimmonAttention(nn.Module):
         attn_output = self.dense(attn_output)
 
         return attn_output, None
+
+    def _vllm_rope(self, positions, query, key):
+        # vLLM's rope takes [tokens, heads * head size]; the source holds
+        # [1, heads, tokens, head size]
+        tokens = positions.shape[-1]
+        q, k = (t.transpose(1, 2).reshape(tokens, -1) for t in (query, key))
+        q, k = self.rotary_emb(positions, q, k)
+        return tuple(
+            r.view(t.transpose(1, 2).shape).transpose(1, 2)
+            for r, t in ((q, query), (k, key))
+        )
 
 
 class PersimmonDecoderLayer(nn.Module):
@@ -392,6 +319,7 @@ class PersimmonDecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
         residual = hidden_states
@@ -403,7 +331,7 @@ class PersimmonDecoderLayer(nn.Module):
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            position_embeddings=position_embeddings,
+            positions=positions,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -455,7 +383,6 @@ class PersimmonModel(nn.Module):
             )
         else:
             self.final_layernorm = PPMissingLayer()
-        self.rotary_emb = PersimmonRotaryEmbedding(config=self.config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states"], config.hidden_size
         )
@@ -481,13 +408,12 @@ class PersimmonModel(nn.Module):
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
             hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states = decoder_layer(
                 hidden_states,
                 attention_mask=None,
                 position_ids=position_ids,
-                position_embeddings=position_embeddings,
+                positions=positions,
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

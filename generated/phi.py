@@ -8,7 +8,7 @@
 # architecture:  GeneratedPhiForCausalLM -> PhiForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: module (PhiRotaryEmbedding): copied from the source
+#   Fused: apply_rotary_pos_emb (PhiAttention) -> rotary_emb (get_rope, NeoX halves)
 #   Unfused: decoder layer (PhiDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (PhiMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (PhiAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
@@ -34,6 +34,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -54,10 +55,6 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from collections.abc import Callable
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_rope_utils import dynamic_rope_update
-
 
 def vllm_attention(
     attn: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -72,94 +69,6 @@ def vllm_attention(
         value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
     out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
     return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
-
-
-class PhiRotaryEmbedding(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-
-        self.config = config
-
-        self.rope_type = self.config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init_fn(self.config)
-
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
-
-    @staticmethod
-    def compute_default_rope_parameters(
-        config, device=None, **kwargs
-    ) -> tuple[torch.Tensor, float]:
-        """
-        Computes the inverse frequencies according to the original RoPE implementation
-        Args:
-            config ([`~transformers.PreTrainedConfig`]):
-                The model configuration.
-        Returns:
-            Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
-            post-processing scaling factor applied to the computed cos/sin (unused in this type of RoPE).
-        """
-        base = config.rope_parameters["rope_theta"]
-        partial_rotary_factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
-        head_dim = (
-            getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads
-        )
-        dim = int(head_dim * partial_rotary_factor)
-
-        attention_factor = 1.0  # Unused in this type of RoPE
-        # Compute the inverse frequencies
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq.to(device), attention_factor
-
-    @torch.no_grad()
-    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
-    def forward(self, x, position_ids):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(
-            device=x.device, dtype=torch.float
-        )
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
-
-
-def rotate_half(x):
-    """Rotates half the hidden dims of the input."""
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Applies Rotary Position Embedding to the query and key tensors.
-
-    Args:
-        q (`torch.Tensor`): The query tensor.
-        k (`torch.Tensor`): The key tensor.
-        cos (`torch.Tensor`): The cosine part of the rotary embedding.
-        sin (`torch.Tensor`): The sine part of the rotary embedding.
-        unsqueeze_dim (`int`, *optional*, defaults to 1):
-            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
-            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
-            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
-            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
-            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
-            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
-    Returns:
-        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
-    """
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
-    return q_embed, k_embed
 
 
 class PhiAttention(nn.Module):
@@ -231,6 +140,12 @@ class PhiAttention(nn.Module):
                 eps=config.layer_norm_eps,
                 elementwise_affine=True,
             )
+        self.rotary_emb = get_rope(
+            self.rotary_ndims,
+            max_position=config.max_position_embeddings,
+            is_neox_style=True,
+            rope_parameters={**config.rope_parameters, "rope_dim": self.rotary_ndims},
+        )
         # tensor parallel: q/k/v are column-parallel, so this rank holds its share
         # of the heads (the source's reshapes count heads per rank)
         tp_size = get_tensor_model_parallel_world_size()
@@ -262,9 +177,10 @@ class PhiAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] = None,
+        attention_mask: torch.Tensor | None = None,
         past_key_values=None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
@@ -277,8 +193,6 @@ class PhiAttention(nn.Module):
         if self.qk_layernorm:
             query_states = self.q_layernorm(query_states)
             key_states = self.k_layernorm(key_states)
-
-        cos, sin = position_embeddings
         # Partial rotary embedding
         query_rot, query_pass = (
             query_states[..., : self.rotary_ndims],
@@ -289,7 +203,7 @@ class PhiAttention(nn.Module):
             key_states[..., self.rotary_ndims :],
         )
         # [batch_size, seq_length, num_heads, head_dim // config.partial_rotary_factor]
-        query_rot, key_rot = apply_rotary_pos_emb(query_rot, key_rot, cos, sin)
+        query_rot, key_rot = self._vllm_rope(positions, query_rot, key_rot)
 
         # [batch_size, seq_length, num_heads, head_dim]
         query_states = torch.cat((query_rot, query_pass), dim=-1)
@@ -300,6 +214,17 @@ class PhiAttention(nn.Module):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.dense(attn_output)
         return attn_output, None
+
+    def _vllm_rope(self, positions, query, key):
+        # vLLM's rope takes [tokens, heads * head size]; the source holds
+        # [1, heads, tokens, head size]
+        tokens = positions.shape[-1]
+        q, k = (t.transpose(1, 2).reshape(tokens, -1) for t in (query, key))
+        q, k = self.rotary_emb(positions, q, k)
+        return tuple(
+            r.view(t.transpose(1, 2).shape).transpose(1, 2)
+            for r, t in ((q, query), (k, key))
+        )
 
 
 class PhiMLP(nn.Module):
@@ -362,6 +287,7 @@ class PhiDecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
         residual = hidden_states
@@ -372,7 +298,7 @@ class PhiDecoderLayer(nn.Module):
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            position_embeddings=position_embeddings,
+            positions=positions,
             **kwargs,
         )
         attn_outputs = self.resid_dropout(attn_outputs)
@@ -413,7 +339,6 @@ class PhiModel(nn.Module):
             ),
             prefix=f"{prefix}.layers",
         )
-        self.rotary_emb = PhiRotaryEmbedding(config=config)
         self.embed_dropout = nn.Dropout(config.embd_pdrop)
         if get_pp_group().is_last_rank:
             self.final_layernorm = nn.LayerNorm(
@@ -449,13 +374,12 @@ class PhiModel(nn.Module):
         inputs_embeds = self.embed_dropout(inputs_embeds)
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states = decoder_layer(
                 hidden_states,
                 attention_mask=None,
                 position_ids=position_ids,
-                position_embeddings=position_embeddings,
+                positions=positions,
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

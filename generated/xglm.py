@@ -12,6 +12,8 @@
 #   Unfused: attention (XGLMAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=1.0)
 #   Unfused: module (XGLMSinusoidalPositionalEmbedding): copied from the source
 #   Kept: embedding (XGLMScaledWordEmbedding): copied from the source onto VocabParallelEmbedding (sharded over the vocabulary as vLLM's own)
+#   Unfused: tensor parallel (XGLMDecoderLayer): replicated on every rank: fc1, fc2 (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (XGLMAttention): replicated on every rank: k_proj, v_proj, q_proj, out_proj (transformers' TP plan has no entry for them)
 #   Refused: residual add + norm (XGLMDecoderLayer): self.self_attn_layer_norm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of XGLMForCausalLM, generated from transformers/models/xglm/modeling_xglm.py."""

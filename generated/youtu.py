@@ -18,8 +18,10 @@
 #   Fused: residual add + post_attention_layernorm (YoutuDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (YoutuRotaryEmbedding): copied from the source
 #   Unfused: attention (YoutuAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Unfused: tensor parallel (YoutuAttention): replicated on every rank: kv_a_proj_with_mqa, kv_b_proj, o_proj (transformers' TP plan has no entry for them)
 #   Refused: latent attention (YoutuAttention): vLLM does not set up youtu for latent attention (its MLA model types)
 #   Refused: q/k/v projections (YoutuAttention): `.cat(...)` between a projection and attention
+#   Refused: rotary embedding (YoutuAttention): vLLM's rope computes something else (no head size, rotated dims, pair style and config rope parameters give the source's numbers)
 # ======================================================================================
 """Native vLLM implementation of YoutuForCausalLM, generated from transformers/models/youtu/modeling_youtu.py."""
 
