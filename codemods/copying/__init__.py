@@ -129,13 +129,19 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
     return Copied(
         pieces=pieces,
         context=ctx,
-        unfused=unfused + tp_notes + _replicated(pieces, tp_notes, model),
+        unfused=unfused
+        + tp_notes
+        + _replicated(
+            {n: t for n, t in pieces.items() if n not in whole}, tp_notes, model
+        ),
     )
 
 
 def _replicated(pieces: dict[str, str], noted: list[Unfused], model) -> list[Unfused]:
     """A copied class whose linears every rank holds whole is a slow path under TP, and
-    said so (unless `_tp_styles` already gave the reason its plan was not taken)."""
+    is said so, unless `_tp_styles` already gave the reason its plan was not taken (a
+    class a pattern emitted whole is sharded as vLLM's own file shards it).
+    """
     import re
 
     said = {u.source_class for u in noted}
