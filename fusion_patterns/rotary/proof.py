@@ -226,7 +226,7 @@ def _vllm(spec: RopeSpec, env: dict, positions, q, k, axis: int):
 def _matches(spec: RopeSpec, path, inst, args, out, env=None) -> bool:
     import torch
 
-    from .dataflow import rel_err, REL_TOL
+    from ..dataflow import REL_TOL, rel_err
 
     env = env or _env(inst)
     if _eval(MAX_POSITION, env) is None:
