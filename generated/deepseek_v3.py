@@ -20,7 +20,6 @@
 #   Fused: kv_a_proj_with_mqa + kv_a_layernorm + kv_b_proj + rope + attention (DeepseekV3Attention) -> mla_attn (MultiHeadLatentAttentionWrapper, latent KV cache)
 #   Fused: residual add + input_layernorm (DeepseekV3DecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (DeepseekV3DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
-#   Unfused: tensor parallel (DeepseekV3Attention): replicated on every rank: kv_a_proj_with_mqa (transformers' TP plan has no entry for them)
 # ======================================================================================
 """Native vLLM implementation of DeepseekV3ForCausalLM, generated from transformers/models/deepseek_v3/modeling_deepseek_v3.py."""
 
