@@ -9,12 +9,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import libcst as cst
-import libcst.matchers as m
+from typing import TYPE_CHECKING
 
-from fusion_patterns.base import ClassInfo, dotted_name
+import libcst as cst
 
 from .errors import CodemodError
+
+if TYPE_CHECKING:
+    from fusion_patterns.base import ClassInfo
 
 MODELING_NAME = re.compile(r"modeling_(\w+)\.py")
 
@@ -109,6 +111,11 @@ def load(name: str) -> ModelSource:
 
 def class_infos(module: cst.Module) -> dict[str, ClassInfo]:
     """The classes a module defines: their `__init__`, `forward` and attributes."""
+    # imported here: `check` reads sources without libcst's matchers (0.5 s)
+    import libcst.matchers as m
+
+    from fusion_patterns.base import ClassInfo, dotted_name
+
     out = {}
     for node in module.body:
         if not isinstance(node, cst.ClassDef):
