@@ -90,20 +90,20 @@ class _PruneBase(cst.CSTTransformer):
         body = updated.body.visit(_DropKeywords(self.unread, layer_vars))
         stmts = list(body.body)
         while True:
+            # what the statements after each one read (each statement's reads once)
+            reads = [set(loads(s)) for s in stmts]
+            later: list[set[str]] = [set() for _ in stmts]
+            for i in range(len(stmts) - 2, -1, -1):
+                later[i] = later[i + 1] | reads[i + 1]
             dead = next(
-                (
-                    i
-                    for i, s in enumerate(stmts)
-                    if self._dead(s, cst.Module(body=stmts[i + 1 :]))
-                ),
-                None,
+                (i for i, s in enumerate(stmts) if self._dead(s, later[i])), None
             )
             if dead is None:
                 break
             del stmts[dead]
         return updated.with_changes(body=body.with_changes(body=stmts))
 
-    def _dead(self, stmt, rest: cst.Module) -> bool:
+    def _dead(self, stmt, later_reads: set[str]) -> bool:
         """Nothing after `stmt` reads what it binds, and running it does nothing else:
         it only binds local names (or items of them) and only calls parameter-free
         modules of the base model or builtins and methods that change nothing (a mask's
@@ -115,7 +115,7 @@ class _PruneBase(cst.CSTTransformer):
         if {n[1:] for n in found if n.startswith("[")} & self.params:
             return False
         bound = {n.lstrip("[") for n in found}
-        return self._pure_calls(stmt, bound) and not (bound & set(loads(rest)))
+        return not (bound & later_reads) and self._pure_calls(stmt, bound)
 
     def _pure_calls(self, stmt, bound: set[str]) -> bool:
         lazy = {
