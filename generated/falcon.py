@@ -8,11 +8,12 @@
 # architecture:  GeneratedFalconForCausalLM -> FalconForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Fused: apply_rotary_pos_emb (FalconAttention) -> rotary_emb (get_rope, NeoX halves)
+#   Unfused: module (FalconRotaryEmbedding): copied from the source
 #   Unfused: decoder layer (FalconDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (FalconMLP): copied from the source
 #   Unfused: module (FalconLinear): copied from the source
 #   Unfused: attention (FalconAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5)
+#   Refused: rotary embedding (FalconAttention): the class computes attention itself (its core becomes vLLM's attention); vLLM's rope is not applied inside such a class
 #   Refused: residual add + norm (FalconDecoderLayer): forward does not end with `return <hidden states>`
 # ======================================================================================
 """Native vLLM implementation of FalconForCausalLM, generated from transformers/models/falcon/modeling_falcon.py."""
@@ -31,7 +32,6 @@ from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
-from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -52,9 +52,12 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
+from collections.abc import Callable
 from torch.nn import LayerNorm
 from torch.nn import functional as F
 from transformers.activations import get_activation
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_rope_utils import dynamic_rope_update
 from transformers.utils import logging
 
 
@@ -94,6 +97,93 @@ class FalconLinear(nn.Linear):
         if self.bias is None:
             return hidden_states
         return hidden_states + self.bias
+
+
+# Copied from transformers.models.llama.modeling_llama.rotate_half
+def rotate_half(x):
+    """Rotates half the hidden dims of the input."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+# Copied from transformers.models.llama.modeling_llama.apply_rotary_pos_emb
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """Applies Rotary Position Embedding to the query and key tensors.
+
+    Args:
+        q (`torch.Tensor`): The query tensor.
+        k (`torch.Tensor`): The key tensor.
+        cos (`torch.Tensor`): The cosine part of the rotary embedding.
+        sin (`torch.Tensor`): The sine part of the rotary embedding.
+        unsqueeze_dim (`int`, *optional*, defaults to 1):
+            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
+            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
+            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
+            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
+            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
+            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
+    Returns:
+        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
+    """
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+
+
+# Copied from transformers.models.llama.modeling_llama.LlamaRotaryEmbedding with Llama->Falcon
+class FalconRotaryEmbedding(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+
+        self.config = config
+
+        self.rope_type = self.config.rope_parameters["rope_type"]
+        rope_init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(self.config)
+
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config, **kwargs) -> tuple[torch.Tensor, float]:
+        """
+        Computes the inverse frequencies according to the original RoPE implementation
+        Args:
+            config ([`~transformers.PreTrainedConfig`]):
+                The model configuration.
+        Returns:
+            Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
+            post-processing scaling factor applied to the computed cos/sin (unused in this type of RoPE).
+        """
+        base = config.rope_parameters["rope_theta"]
+        dim = (
+            getattr(config, "head_dim", None)
+            or config.hidden_size // config.num_attention_heads
+        )
+
+        attention_factor = 1.0  # Unused in this type of RoPE
+        # Compute the inverse frequencies
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, attention_factor
+
+    @torch.no_grad()
+    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
+    def forward(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(
+            device=x.device, dtype=torch.float
+        )
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 def build_alibi_tensor(
@@ -218,12 +308,6 @@ class FalconAttention(nn.Module):
             if (self.new_decoder_architecture or not self.multi_query)
             else 1
         )
-        self.rotary_emb = get_rope(
-            self.head_dim,
-            max_position=config.max_position_embeddings,
-            is_neox_style=True,
-            rope_parameters=config.rope_parameters,
-        )
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -329,7 +413,6 @@ class FalconAttention(nn.Module):
         use_cache: bool = False,
         output_attentions: bool = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        positions: torch.Tensor | None = None,
         **kwargs,
     ):
         fused_qkv = self.query_key_value(
@@ -354,19 +437,15 @@ class FalconAttention(nn.Module):
         )
 
         if alibi is None:
-            query_layer, key_layer = self._vllm_rope(positions, query_layer, key_layer)
-
-        kv_length = key_layer.shape[-2]
+            cos, sin = position_embeddings
+            query_layer, key_layer = apply_rotary_pos_emb(
+                query_layer, key_layer, cos, sin
+            )
 
         if alibi is None:
-            attention_scores = query_layer @ key_layer.transpose(-1, -2)
-            attention_scores /= math.sqrt(self.head_dim)
-
-            attention_scores = F.softmax(
-                attention_scores + attention_mask, dim=-1, dtype=hidden_states.dtype
+            attn_output = vllm_attention_heads(
+                self.attn, query_layer, key_layer, value_layer
             )
-            # It is unclear why dropout is not applied here (while it is with alibi).
-            attn_output = attention_scores @ value_layer
 
             attn_output = attn_output.view(
                 batch_size, self.num_heads, query_length, self.head_dim
@@ -378,57 +457,12 @@ class FalconAttention(nn.Module):
 
             attn_output = self.dense(attn_output)
 
-            return attn_output, attention_scores
+            return attn_output, None
 
         else:
-            matmul_result = query_layer @ key_layer.transpose(-1, -2)
-
-            # change view to [batch_size, num_heads, q_length, kv_length]
-            attention_scores = matmul_result.view(
-                batch_size, self.num_heads, query_length, kv_length
+            raise NotImplementedError(
+                "FalconAttention: this attention branch was not exercised when the file was generated, so it is not proven; regenerate with a config that takes it"
             )
-
-            # cast attention scores to fp32, compute scaled softmax and cast back to initial dtype - [batch_size, num_heads, q_length, kv_length]
-            input_dtype = attention_scores.dtype
-            # `float16` has a minimum value of -65504.0, whereas `bfloat16` and `float32` have a minimum value of `-3.4e+38`
-            if input_dtype == torch.float16 or input_dtype == torch.bfloat16:
-                attention_scores = attention_scores.to(torch.float32)
-
-            attention_logits = attention_scores + alibi.view(
-                batch_size, self.num_heads, 1, -1
-            )
-            attention_logits *= self.inv_norm_factor
-            attention_probs = F.softmax(
-                attention_logits + attention_mask, dim=-1, dtype=hidden_states.dtype
-            )
-            # [batch_size, num_heads, q_length, kv_length]
-            attention_probs = self.attention_dropout(attention_probs)
-
-            # change view [batch_size, num_heads, q_length, kv_length]
-            attention_probs_reshaped = attention_probs.view(
-                batch_size, self.num_heads, query_length, kv_length
-            )
-
-            # matmul: [batch_size * num_heads, q_length, head_dim]
-            attn_output = (attention_probs_reshaped @ value_layer).flatten(0, 1)
-
-            # change view [batch_size, q_length, num_heads * head_dim]
-            attn_output = self._merge_heads(attn_output)
-
-            attn_output = self.dense(attn_output)
-
-            return attn_output, attention_probs
-
-    def _vllm_rope(self, positions, query, key):
-        # vLLM's rope takes [tokens, heads * head size]; the source holds
-        # [1, heads, tokens, head size]
-        tokens = positions.shape[-1]
-        q, k = (t.transpose(1, 2).reshape(tokens, -1) for t in (query, key))
-        q, k = self.rotary_emb(positions, q, k)
-        return tuple(
-            r.view(t.transpose(1, 2).shape).transpose(1, 2)
-            for r, t in ((q, query), (k, key))
-        )
 
 
 class FalconMLP(nn.Module):
@@ -502,7 +536,6 @@ class FalconDecoderLayer(nn.Module):
         use_cache: bool = False,
         output_attentions: bool = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        positions: torch.Tensor | None = None,
         **kwargs,
     ):
         residual = hidden_states
@@ -522,7 +555,7 @@ class FalconDecoderLayer(nn.Module):
             attention_mask=attention_mask,
             position_ids=position_ids,
             alibi=alibi,
-            positions=positions,
+            position_embeddings=position_embeddings,
         )
 
         if not self.config.new_decoder_architecture:
@@ -593,6 +626,7 @@ class FalconModel(nn.Module):
             self.ln_f = LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon)
         else:
             self.ln_f = PPMissingLayer()
+        self.rotary_emb = FalconRotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states"], config.hidden_size
         )
@@ -652,6 +686,7 @@ class FalconModel(nn.Module):
             )
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for i, block in enumerate(
             islice(self.h, self.start_layer, self.end_layer), start=self.start_layer
         ):
@@ -661,7 +696,7 @@ class FalconModel(nn.Module):
                 attention_mask=causal_mask,
                 position_ids=position_ids,
                 alibi=alibi,
-                positions=positions,
+                position_embeddings=position_embeddings,
             )
 
             hidden_states = outputs[0]

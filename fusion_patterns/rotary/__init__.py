@@ -37,6 +37,17 @@ class Rope(Pattern):
             param, tables, calls = find_calls(info.forward)
             if not calls:
                 continue
+            if attention.eager is not None:
+                # the copy rewrites such a class's attention core by finding its
+                # statements as they are; a rewrite before it would hide them
+                yield Refusal(
+                    NAME,
+                    n,
+                    WHAT,
+                    "the class computes attention itself (its core becomes vLLM's "
+                    "attention); vLLM's rope is not applied inside such a class",
+                )
+                continue
             try:
                 spec = prove(model, n, param, tables, calls)
             except PatternRefused as why:
