@@ -104,3 +104,15 @@ def test_a_rotated_tensor_read_after_the_call_is_refused(tmp_path):
     assert rope_records(plan) == []
     [refusal] = [r for r in plan.refusals if r.pattern == "rope"]
     assert "is read after the rotary call" in refusal.describe()
+
+
+def test_an_attention_that_computes_attention_itself_keeps_its_rope():
+    """Falcon's attention computes attention in its own code, which the copy replaces by
+    vLLM's attention statement by statement; rope is not rewritten inside such a class
+    (rewritten first, the core was not found and the eager math ran under vLLM)."""
+    plan, text = generate("modeling_falcon.py")
+    assert rope_records(plan) == []
+    [refusal] = [r for r in plan.refusals if r.pattern == "rope"]
+    assert "computes attention itself" in refusal.describe()
+    assert "_vllm_rope" not in text
+    assert "vllm_attention_heads(" in text
