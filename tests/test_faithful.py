@@ -99,12 +99,16 @@ def test_faithful_llama_keeps_the_source_and_fuses_the_proven_parts(faithful_lla
         "Fused: input_layernorm (LlamaDecoderLayer) -> input_layernorm (RMSNorm)",
     ):
         assert line in report
-    # the rest as the source computes it, reported
+    # the copied attention's rope is vLLM's on vLLM's positions (the rope pattern acts
+    # on the copy); the source's rotary module, nothing reading its tables, is gone
+    assert (
+        "Fused: apply_rotary_pos_emb (LlamaAttention) -> rotary_emb (get_rope, NeoX halves)"
+        in report
+    )
+    assert "class LlamaRotaryEmbedding(nn.Module):" not in text
+    assert "def apply_rotary_pos_emb(" not in text
+    # the rest as the source computes it, reported; its attention call handed to vLLM
     assert "Unfused: attention (LlamaAttention)" in report
-    assert "Unfused: module (LlamaRotaryEmbedding)" in report
-    # the source's rotary code, its attention call handed to vLLM
-    assert "class LlamaRotaryEmbedding(nn.Module):" in text
-    assert "def apply_rotary_pos_emb(" in text
     assert "vllm_attention(self.attn, query_states, key_states, value_states)" in text
     assert "ALL_ATTENTION_FUNCTIONS" not in text
     assert "past_key_values.update" not in text and "DynamicCache" not in text
