@@ -15,7 +15,7 @@
 #   Unfused: tensor parallel (GPTNeoXJapaneseMLP): replicated on every rank: dense_h_to_4h, dense_4h_to_h (transformers' TP plan has no entry for them)
 #   Unfused: tensor parallel (GPTNeoXJapaneseAttention): replicated on every rank: query_key_value, dense (transformers' TP plan has no entry for them)
 #   Refused: gate/up projections (GPTNeoXJapaneseMLP): forward has no `down(act(gate(x)) * up(x))` product
-#   Refused: rotary embedding (GPTNeoXJapaneseAttention): its __init__ keeps no `config` its rope could be read from
+#   Refused: rotary embedding (GPTNeoXJapaneseAttention): the class computes attention itself (its core becomes vLLM's attention); vLLM's rope is not applied inside such a class
 #   Refused: residual add + norm (GPTNeoXJapaneseLayer): forward does not end with `return <hidden states>`
 # ======================================================================================
 """Native vLLM implementation of GPTNeoXJapaneseForCausalLM, generated from transformers/models/gpt_neox_japanese/modeling_gpt_neox_japanese.py."""
