@@ -74,6 +74,17 @@ class Refusal:
         )
 
 
+def refused_by(exc: Exception, pattern: str, cls: str, what: str) -> "Refusal":
+    """A candidate whose proof raised: refused with the proof's reason, or with why the
+    proof could not run (never a traceback)."""
+    if isinstance(exc, PatternRefused):
+        return Refusal(pattern, cls, what, str(exc))
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return Refusal(
+        pattern, cls, what, f"proof failed to run: {type(exc).__name__}: {text}"
+    )
+
+
 class PatternRefused(Exception):
     """Raised inside a pattern's extraction when a candidate fails one of its checks.
 

@@ -9,7 +9,16 @@ Elsewhere the class is copied and attends on vLLM's standard attention.
 
 from __future__ import annotations
 
-from ..base import CLASS, Claim, ClassInfo, LoaderHook, Pattern, PatternRefused, Refusal
+from ..base import (
+    CLASS,
+    Claim,
+    ClassInfo,
+    LoaderHook,
+    Pattern,
+    PatternRefused,
+    Refusal,
+    refused_by,
+)
 from ..emitting import positions_call, returned_arity
 from .emit import emit
 from .match import MERGED, NAME, VLLM_CLASS, MLASpec, match, records
@@ -17,7 +26,14 @@ from .proof import prove
 
 WHAT = "latent attention"
 
-__all__ = ["LatentAttention", "MERGED", "MLASpec", "NAME", "VLLM_CLASS", "vllm_assumes_mla"]
+__all__ = [
+    "LatentAttention",
+    "MERGED",
+    "MLASpec",
+    "NAME",
+    "VLLM_CLASS",
+    "vllm_assumes_mla",
+]
 
 
 def vllm_assumes_mla(config) -> bool:
@@ -58,15 +74,11 @@ class LatentAttention(Pattern):
                         raise PatternRefused(f"the tiny model never calls {path}")
                     args, kwargs, _ = call
                     kwargs = {**kwargs, **({"hidden_states": args[0]} if args else {})}
-                    prove(spec, inst, kwargs, model.config, model.config.rope_parameters)
-            except PatternRefused as why:
-                yield Refusal(NAME, n, WHAT, str(why))
-                continue
-            except Exception as exc:  # a proof that cannot run is a refusal
-                text = str(exc).splitlines()[0] if str(exc) else ""
-                yield Refusal(
-                    NAME, n, WHAT, f"proof failed to run: {type(exc).__name__}: {text}"
-                )
+                    prove(
+                        spec, inst, kwargs, model.config, model.config.rope_parameters
+                    )
+            except Exception as exc:  # a proof that fails or cannot run is a refusal
+                yield refused_by(exc, NAME, n, WHAT)
                 continue
             yield Claim(
                 self,
@@ -74,7 +86,9 @@ class LatentAttention(Pattern):
                 (spec, text, returned_arity(info)),
                 CLASS,
                 records=[
-                    r for scope in model.roles.scopes.get(n, [""]) for r in records(spec, scope)
+                    r
+                    for scope in model.roles.scopes.get(n, [""])
+                    for r in records(spec, scope)
                 ],
                 needs_positions=True,
             )

@@ -18,7 +18,14 @@ from __future__ import annotations
 
 import libcst as cst
 
-from ..base import REWRITE, Claim, FusionRecord, Pattern, PatternRefused, Refusal
+from ..base import (
+    REWRITE,
+    Claim,
+    FusionRecord,
+    Pattern,
+    Refusal,
+    refused_by,
+)
 from ..emitting import with_keyword
 from .emit import LAYOUTS, METHOD, construction, dedent, rewrite_forward
 from .match import NAME, WHAT, RopeSpec, find_calls
@@ -50,14 +57,8 @@ class Rope(Pattern):
                 continue
             try:
                 spec = prove(model, n, param, tables, calls)
-            except PatternRefused as why:
-                yield Refusal(NAME, n, WHAT, str(why))
-                continue
-            except Exception as exc:  # a proof that cannot run is a refusal
-                text = str(exc).splitlines()[0] if str(exc) else ""
-                yield Refusal(
-                    NAME, n, WHAT, f"proof failed to run: {type(exc).__name__}: {text}"
-                )
+            except Exception as exc:  # a proof that fails or cannot run is a refusal
+                yield refused_by(exc, NAME, n, WHAT)
                 continue
             style = "NeoX halves" if spec.neox else "GPT-J pairs"
             yield Claim(
