@@ -116,10 +116,16 @@ class _FusedLines:
         self.handler = Handler()
         self.logger = logging.getLogger("vllm")
         self.logger.addHandler(self.handler)
+        # `apply` in the same process (coverage, the tests) quiets vLLM to errors, which
+        # would drop these INFO lines before any handler saw them
+        self.level = self.logger.level
+        if not self.logger.isEnabledFor(logging.INFO):
+            self.logger.setLevel(logging.INFO)
         return self
 
     def __exit__(self, *exc):
         self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
         return False
 
 

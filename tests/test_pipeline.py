@@ -49,3 +49,21 @@ def test_no_stage_dispatches_on_a_pattern_type():
             if names & specs:
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert offenders == []
+
+
+def test_the_backends_fused_lines_are_collected_after_apply_quieted_vllm():
+    """`apply` quiets vLLM to errors; the backend's `Fused:` lines are INFO and must
+    still reach the collector (coverage's "backend fused" column read 0 without it)."""
+    import logging
+
+    from codemods.engine import _FusedLines
+    from codemods.logs import quiet_vllm_logging
+
+    quiet_vllm_logging()
+    backend = logging.getLogger("vllm.model_executor.models.transformers.base")
+    before = logging.getLogger("vllm").level
+    with _FusedLines() as fused:
+        backend.info("Fused: q_proj + k_proj + v_proj (self_attn: X) -> qkv_proj")
+        backend.info("Using Transformers modeling backend.")
+    assert fused.lines == ["Fused: q_proj + k_proj + v_proj (self_attn: X) -> qkv_proj"]
+    assert logging.getLogger("vllm").level == before
