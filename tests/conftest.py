@@ -18,6 +18,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # every CPU runs vLLM's non-AMX kernels (see generated.NO_AMX): the engines the tests
 # start inherit it, so CI's machine and this one take the same path
 os.environ.setdefault("CODEMODS_NO_AMX", "1")
+# `make test` runs a sample of the largest engine suites (mutants, able-to-fail copies);
+# scripts/engine_sweep.py sets this to run every case, before an issue is resolved
+FULL_SWEEP = os.environ.get("CODEMODS_SWEEP") == "1"
 
 
 def run_cli(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO, verify_in_one_process
+from conftest import FULL_SWEEP, REPO, verify_in_one_process
 
 pytestmark = pytest.mark.engine
 
@@ -197,7 +197,7 @@ MUTATIONS += [
 
 # the classes of bug no copy above plants: stacked shard ids, the activation, rope
 # style and theta, norm eps, Gemma's `1 + w`, router top-k and scoring, attention sinks
-MUTATIONS += [
+BUG_CLASSES = [
     (
         "qwen3",
         "k and v shard ids swapped",
@@ -254,6 +254,20 @@ MUTATIONS += [
     ),
 ]
 
+MUTATIONS += BUG_CLASSES
+
+
+def engine_sample() -> list[tuple[str, str, str, str]]:
+    """`make test`: every bug class and each other model's first copy (every model
+    is edited once and run unedited); the full sweep (scripts/engine_sweep.py): all."""
+    if FULL_SWEEP:
+        return MUTATIONS
+    chosen = list(BUG_CLASSES)
+    for mutation in MUTATIONS:
+        if mutation[0] not in {m[0] for m in chosen}:
+            chosen.append(mutation)
+    return chosen
+
 
 # copies whose checkpoint no longer fits the model they build: vLLM's loader refuses them
 # (the one way they can fail), by this message
@@ -262,12 +276,22 @@ LOAD_FAILURES = {
 }
 
 
+def test_every_copy_edits_its_committed_file_once_and_compiles():
+    """Engine-free, for every copy (the engine runs a sample in `make test`): a copy the
+    regenerated file no longer matches, or one that would crash, is found here."""
+    for model, name, old, new in MUTATIONS:
+        original = (REPO / "generated" / f"{model}.py").read_text()
+        assert original.count(old) == 1, name
+        compile(original.replace(old, new), name, "exec")
+
+
 def test_verification_fails_for_each_feature_switched_off(tmp_path):
     """Each copy fails by the mismatch it plants (verify ran both and the numbers
     differ: exit 1), never by a crash or a refusal; each unedited file passes in the
     same harness, so the failure is the edit's."""
+    mutations = engine_sample()
     paths = []
-    for i, (model, name, old, new) in enumerate(MUTATIONS):
+    for i, (model, name, old, new) in enumerate(mutations):
         original = (REPO / "generated" / f"{model}.py").read_text()
         assert original.count(old) == 1, name
         folder = tmp_path / f"m{i}"
@@ -278,7 +302,7 @@ def test_verification_fails_for_each_feature_switched_off(tmp_path):
         )  # a broken copy would "fail" for the wrong reason
         (folder / f"{model}.py").write_text(mutated)
         paths.append(str(folder / f"{model}.py"))
-    unedited = sorted({m[0] for m in MUTATIONS})
+    unedited = sorted({m[0] for m in mutations})
     for model in unedited:
         folder = tmp_path / f"unedited-{model}"
         folder.mkdir()
@@ -287,10 +311,10 @@ def test_verification_fails_for_each_feature_switched_off(tmp_path):
         )
         paths.append(str(folder / f"{model}.py"))
     results = verify_in_one_process(paths, timeout=3600)
-    for model, result in zip(unedited, results[len(MUTATIONS) :]):
+    for model, result in zip(unedited, results[len(mutations) :]):
         assert result["ok"] is True and result["code"] == 0, (model, result)
         assert result["impl"].startswith(f"_verify_{model}_"), (model, result)
-    for (model, name, _, _), result in zip(MUTATIONS, results):
+    for (model, name, _, _), result in zip(mutations, results):
         if name in LOAD_FAILURES:
             assert result["code"] == 2, (model, name, result)
             assert LOAD_FAILURES[name] in result["error"], (model, name, result)

@@ -12,17 +12,30 @@ import textwrap
 
 import pytest
 
-from conftest import REPO
+from conftest import FULL_SWEEP, REPO
 from mutations import MUTANTS
 
 from codemods.source import transformers_root
 
 pytestmark = pytest.mark.engine
 SOURCE = next(transformers_root().glob("models/qwen3/modeling_qwen3.py")).read_text()
+# Every mutant is generated and its report checked; `make test` verifies in an engine one
+# per pattern and outcome (a fused variant, a copied part), the full sweep every one.
+ENGINE_SAMPLE = {
+    "glu-activation-on-up",  # GLU fused on the mutated operands
+    "glu-sum-not-product",  # GLU refused, the MLP copied
+    "bias-on-v-only",  # q/k/v refused, the projections copied
+    "scaling-changed",  # attention fused with the source's scale
+    "one-plus-weight",  # norm fused as `1 + w`
+    "eps-outside-root",  # norm refused, copied
+    "residual-scaled",  # the residual fold keeps a multiplier
+    "residual-taken-after-norm",  # the residual fold refused
+}
 
 
 def test_there_are_at_least_twenty_distinct_mutants():
     assert len(MUTANTS) >= 20
+    assert ENGINE_SAMPLE <= {m[0] for m in MUTANTS}
     assert len({m[0] for m in MUTANTS}) == len(MUTANTS)
     for name, old, new, _ in MUTANTS:
         assert SOURCE.count(old) >= 1, name
@@ -35,6 +48,7 @@ def outcomes(tmp_path_factory):
     for name, old, new, _ in MUTANTS:
         (root / name).mkdir()
         (root / name / "modeling_qwen3.py").write_text(SOURCE.replace(old, new, 1))
+    engine_names = [m[0] for m in MUTANTS if FULL_SWEEP or m[0] in ENGINE_SAMPLE]
     script = textwrap.dedent(f"""
         import json, os
         from pathlib import Path
@@ -55,6 +69,9 @@ def outcomes(tmp_path_factory):
             out.write_text(text)
             if body(text) == committed:  # verified as generated/qwen3.py
                 print("OUTCOME " + json.dumps({{"name": folder.name, "report": plan.report(), "same": True}}), flush=True)
+                continue
+            if folder.name not in {engine_names!r}:
+                print("OUTCOME " + json.dumps({{"name": folder.name, "report": plan.report(), "engine": False}}), flush=True)
                 continue
             code, result = _safe_verify(str(out), trust_remote_code=True)
             print("OUTCOME " + json.dumps({{"name": folder.name, "report": plan.report(), "code": code, **result}}), flush=True)
@@ -100,5 +117,7 @@ def test_mutant(outcomes, name, expectation):
         assert len(refusals) == len(detail), refusals
         for fragment in detail:
             assert any(fragment in line for line in refusals), (fragment, refusals)
+    if outcome.get("engine") is False:
+        pytest.skip("generated and reported as expected; its engine run is in the sweep")
     assert outcome["code"] == 0 and outcome["ok"], outcome
     assert outcome["impl"].startswith("_verify_qwen3_")
