@@ -300,6 +300,10 @@ def build(causal_cls, values: dict | None = None):
             values = tiny.working_values(causal_cls)
         config = causal_cls.config_class(**values)
         config._attn_implementation = "eager"
+        # the experts' own forward, as the source writes it: transformers would otherwise
+        # dispatch `@use_experts_implementation` classes to its library kernels
+        # (grouped_mm), and the proofs would prove those instead of the source
+        config._experts_implementation = "eager"
         torch.manual_seed(0)
         model = causal_cls(config).float().eval()
     except Exception as exc:

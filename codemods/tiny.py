@@ -425,6 +425,8 @@ def build_checkpoint(
     `raw_config` (a shrunk published config) is written as config.json verbatim."""
     torch.manual_seed(seed)
     config.architectures = [causal_cls.__name__]
+    # the source's experts loop, not transformers' library kernel for it (see probe.build)
+    config._experts_implementation = "eager"
     model = causal_cls(config).to(torch.float32).eval()
     randomize(model, seed)
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -440,7 +442,10 @@ def build_checkpoint(
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     del model
     reference = causal_cls.from_pretrained(
-        out_dir, dtype=torch.float32, attn_implementation="eager"
+        out_dir,
+        dtype=torch.float32,
+        attn_implementation="eager",
+        experts_implementation="eager",
     )
     return reference.eval()
 
