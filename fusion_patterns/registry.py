@@ -3,7 +3,7 @@
 Order matters where one pattern reads another's claims: norms first (the attention's
 head norms, the residual fold and the latent attention build on proven norms), then the
 blocks inside a layer (a MoE block before a gated MLP, so a router is never taken for a
-gate), then the attention whole (latent, then vLLM's own layout) before the merge of a
+gate, and before its experts alone, taken only where the block is not), then the attention whole (latent, then vLLM's own layout) before the merge of a
 copied attention's projections and vLLM's rope in a copied attention, and the
 residual fold last.
 """
@@ -13,12 +13,14 @@ from .mla import LatentAttention
 from .moe import MoE
 from .qkv import NativeAttention, QKVMerge
 from .residual_norm import ResidualFold
+from .routed_experts import RoutedExperts
 from .rms_norm import RMSNormPattern
 from .rotary import Rope
 
 PATTERNS = (
     RMSNormPattern(),
     MoE(),
+    RoutedExperts(),
     GLU(),
     LatentAttention(),
     NativeAttention(),

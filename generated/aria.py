@@ -16,10 +16,11 @@
 #   Fused: residual add + input_layernorm (AriaTextDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (AriaTextDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (AriaTextMoELayer): copied from the source (no experts class matched)
-#   Unfused: module (AriaExperts): copied from the source
+#   Unfused: module (AriaExperts): copied from the source (their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert)
 #   Unfused: module (AriaTextTopKRouter): copied from the source
 #   Unfused: torch.compile (AriaTextModel): off: AriaExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (AriaTextMoELayer): no experts class matched
+#   Refused: experts (the source's router) (AriaExperts): their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert
 # ======================================================================================
 """Native vLLM implementation of AriaTextForCausalLM, generated from transformers/models/aria/modeling_aria.py."""
 

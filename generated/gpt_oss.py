@@ -13,12 +13,13 @@
 #   Unfused: module (GptOssRMSNorm): copied from the source (the weight is not applied as a multiply after the cast back)
 #   Unfused: decoder layer (GptOssDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (GptOssMLP): copied from the source (no experts class matched)
-#   Unfused: module (GptOssExperts): copied from the source
+#   Unfused: module (GptOssExperts): copied from the source (their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert)
 #   Unfused: module (GptOssTopKRouter): copied from the source
 #   Unfused: attention (GptOssAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window, sinks=self.sinks)
 #   Unfused: torch.compile (GptOssModel): off: GptOssExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: GptOssRMSNorm (GptOssRMSNorm): the weight is not applied as a multiply after the cast back
 #   Refused: router + experts (GptOssMLP): no experts class matched
+#   Refused: experts (the source's router) (GptOssExperts): their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert
 #   Refused: attention (GptOssAttention): not vLLM's own layout: attention sinks
 #   Refused: residual add + norm (GptOssDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================

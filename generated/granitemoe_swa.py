@@ -11,17 +11,16 @@
 #   Fused: norm (GraniteMoeSWAModel) -> norm (RMSNorm)
 #   Fused: input_layernorm (GraniteMoeSWADecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (GraniteMoeSWADecoderLayer) -> post_attention_layernorm (RMSNorm)
+#   Fused: gate_up_proj + down_proj (GraniteMoeSWAExperts) -> experts (FusedMoE, external routing: the block's own router picks the experts, in self.block_sparse_moe.experts)
 #   Fused: q_proj + k_proj + v_proj (GraniteMoeSWAAttention) -> qkv_proj (QKVParallelLinear)
 #   Fused: apply_rotary_pos_emb (GraniteMoeSWAAttention) -> rotary_emb (get_rope, NeoX halves)
 #   Unfused: module (GraniteMoeSWARotaryEmbedding): copied from the source
 #   Unfused: decoder layer (GraniteMoeSWADecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (GraniteMoeSWAMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: module (GraniteMoeSWAMoE): copied from the source (no router class matched)
-#   Unfused: module (GraniteMoeSWAExperts): copied from the source
 #   Unfused: module (GraniteMoeSWATopKRouter): copied from the source
 #   Unfused: attention (GraniteMoeSWAAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window, sinks=self.sinks)
 #   Unfused: tensor parallel (GraniteMoeSWAMLP): replicated on every rank: input_linear, output_linear (transformers' TP plan has no entry for them)
-#   Unfused: torch.compile (GraniteMoeSWAModel): off: GraniteMoeSWAExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (GraniteMoeSWAMoE): no router class matched
 #   Refused: gate/up projections (GraniteMoeSWAMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: attention (GraniteMoeSWAAttention): not vLLM's own layout: attention sinks
@@ -31,6 +30,7 @@
 
 from collections.abc import Iterable
 from copy import copy as shallow_copy
+from functools import partial
 from itertools import islice
 
 import torch
@@ -38,9 +38,11 @@ from torch import nn
 
 from transformers.activations import ACT2FN
 
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     QKVParallelLinear,
@@ -60,6 +62,10 @@ from vllm.model_executor.models.interfaces import (
     SupportsLoRA,
     SupportsPP,
     SupportsQuant,
+)
+from vllm.model_executor.models.transformers.moe import (
+    TransformersMoERunner,
+    TransformersMoEState,
 )
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
@@ -126,67 +132,47 @@ class GraniteMoeSWATopKRouter(nn.Module):
         return router_logits, top_k_weights, top_k_index
 
 
-class GraniteMoeSWAExperts(nn.Module):
-    """Collection of expert weights stored as 3D tensors."""
+def GraniteMoeSWAExperts(
+    config, quant_config: QuantizationConfig | None = None, prefix: str = ""
+):
+    """GraniteMoeSWAExperts as vLLM's fused MoE layer, routed externally: the block's own
+    router (the source's) picks the experts and hands over their ids and weights."""
+    state = TransformersMoEState()
 
-    def __init__(self, config):
-        super().__init__()
-        self.num_experts = config.num_local_experts
-        self.hidden_dim = config.hidden_size
-        self.intermediate_dim = config.intermediate_size
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim)
-        )
-        self.down_proj = nn.Parameter(
-            torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim)
-        )
-        self.act_fn = ACT2FN[config.hidden_act]
+    def chosen_by_the_source(
+        hidden_states, gating_output, topk, renormalize, moe_state
+    ):
+        # `gating_output` is the source router's top-k weights; the ids were stored
+        # by the runner's forward
+        return gating_output, moe_state.topk_ids
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-    ) -> torch.Tensor:
-        final_hidden_states = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            expert_mask = torch.nn.functional.one_hot(
-                top_k_index, num_classes=self.num_experts + 1
-            )
-            expert_mask = expert_mask.permute(2, 1, 0)
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-
-        for expert_idx in expert_hit:
-            expert_idx = expert_idx[0]
-            if expert_idx == self.num_experts:
-                continue
-            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-            current_state = hidden_states[token_idx]
-            gate, up = nn.functional.linear(
-                current_state, self.gate_up_proj[expert_idx]
-            ).chunk(2, dim=-1)
-            current_hidden_states = self.act_fn(gate) * up
-            current_hidden_states = nn.functional.linear(
-                current_hidden_states, self.down_proj[expert_idx]
-            )
-            current_hidden_states = (
-                current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
-            )
-            final_hidden_states.index_add_(
-                0, token_idx, current_hidden_states.to(final_hidden_states.dtype)
-            )
-
-        return final_hidden_states
+    return FusedMoEFactory(
+        num_experts=config.num_local_experts,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        activation=config.hidden_act,
+        top_k=config.num_experts_per_tok,
+        renormalize=False,
+        custom_routing_function=partial(chosen_by_the_source, moe_state=state),
+        runner_cls=TransformersMoERunner,
+        runner_args={"moe_state": state},
+        quant_config=quant_config,
+        prefix=prefix,
+    )
 
 
 class GraniteMoeSWAMoE(nn.Module):
     """Sparsely-gated mixture-of-experts block: router decides, experts compute."""
 
-    def __init__(self, config):
+    def __init__(
+        self, config, quant_config: QuantizationConfig | None = None, prefix: str = ""
+    ):
         super().__init__()
         self.input_size = config.hidden_size
         self.router = GraniteMoeSWATopKRouter(config)
-        self.experts = GraniteMoeSWAExperts(config)
+        self.experts = GraniteMoeSWAExperts(
+            config, quant_config=quant_config, prefix=f"{prefix}.experts"
+        )
 
     def forward(self, layer_input: torch.Tensor) -> torch.Tensor:
         # Only different return order (router_logits, router_scores, router_indices) to enable EP
@@ -392,7 +378,9 @@ class GraniteMoeSWADecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, eps=config.rms_norm_eps
         )
-        self.block_sparse_moe = GraniteMoeSWAMoE(config)
+        self.block_sparse_moe = GraniteMoeSWAMoE(
+            config, quant_config=quant_config, prefix=f"{prefix}.block_sparse_moe"
+        )
         self.residual_multiplier = config.residual_multiplier  # Only diff with mixtral!
         self.shared_mlp = (
             None
@@ -493,6 +481,7 @@ class GraniteMoeSWARotaryEmbedding(nn.Module):
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
+@support_torch_compile
 class GraniteMoeSWAModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

@@ -13,6 +13,7 @@
 #   Fused: post_attention_layernorm (LagunaDecoderLayer) -> post_attention_layernorm (RMSNorm)
 #   Fused: q_norm (LagunaAttention) -> q_norm (RMSNorm)
 #   Fused: k_norm (LagunaAttention) -> k_norm (RMSNorm)
+#   Fused: gate_up_proj + down_proj (LagunaExperts) -> experts (FusedMoE, external routing: the block's own router picks the experts, in self.mlp.experts)
 #   Fused: gate_proj + up_proj (LagunaMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: gate_proj + up_proj (LagunaMLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
 #   Fused: apply_rotary_pos_emb (LagunaAttention) -> rotary_emb (get_rope, NeoX halves)
@@ -20,29 +21,28 @@
 #   Fused: residual add + post_attention_layernorm (LagunaDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (LagunaSparseMoeBlock): copied from the source (the block also builds self.shared_experts, not a dense MLP added to the output)
 #   Unfused: module (LagunaTopKRouter): copied from the source
-#   Unfused: module (LagunaExperts): copied from the source
 #   Unfused: attention (LagunaAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
-#   Unfused: torch.compile (LagunaModel): off: LagunaExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (LagunaSparseMoeBlock): the block also builds self.shared_experts, not a dense MLP added to the output
 #   Refused: q/k/v projections (LagunaAttention): no single output projection after attention
 # ======================================================================================
 """Native vLLM implementation of LagunaForCausalLM, generated from transformers/models/laguna/modeling_laguna.py."""
 
-import re
 from collections.abc import Iterable
 from copy import copy as shallow_copy
+from functools import partial
 from itertools import islice
 
 import torch
 from torch import nn
 
-from transformers.activations import ACT2FN
 from transformers.core_model_loading import WeightRenaming
 
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -60,6 +60,10 @@ from vllm.model_executor.models.interfaces import (
     SupportsLoRA,
     SupportsPP,
     SupportsQuant,
+)
+from vllm.model_executor.models.transformers.moe import (
+    TransformersMoERunner,
+    TransformersMoEState,
 )
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
@@ -165,57 +169,33 @@ class LagunaTopKRouter(nn.Module):
         return router_logits, routing_weights, selected_experts
 
 
-class LagunaExperts(nn.Module):
-    """Collection of expert weights stored as 3D tensors."""
+def LagunaExperts(
+    config, quant_config: QuantizationConfig | None = None, prefix: str = ""
+):
+    """LagunaExperts as vLLM's fused MoE layer, routed externally: the block's own
+    router (the source's) picks the experts and hands over their ids and weights."""
+    state = TransformersMoEState()
 
-    def __init__(self, config):
-        super().__init__()
-        self.num_experts = config.num_experts
-        self.hidden_dim = config.hidden_size
-        self.intermediate_dim = config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim)
-        )
-        self.down_proj = nn.Parameter(
-            torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim)
-        )
-        self.act_fn = ACT2FN[config.hidden_act]
+    def chosen_by_the_source(
+        hidden_states, gating_output, topk, renormalize, moe_state
+    ):
+        # `gating_output` is the source router's top-k weights; the ids were stored
+        # by the runner's forward
+        return gating_output, moe_state.topk_ids
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-    ) -> torch.Tensor:
-        final_hidden_states = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            expert_mask = torch.nn.functional.one_hot(
-                top_k_index, num_classes=self.num_experts + 1
-            )
-            expert_mask = expert_mask.permute(2, 1, 0)
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-
-        for expert_idx in expert_hit:
-            expert_idx = expert_idx[0]
-            if expert_idx == self.num_experts:
-                continue
-            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-            current_state = hidden_states[token_idx]
-            gate, up = nn.functional.linear(
-                current_state, self.gate_up_proj[expert_idx]
-            ).chunk(2, dim=-1)
-            current_hidden_states = self.act_fn(gate) * up
-            current_hidden_states = nn.functional.linear(
-                current_hidden_states, self.down_proj[expert_idx]
-            )
-            current_hidden_states = (
-                current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
-            )
-            final_hidden_states.index_add_(
-                0, token_idx, current_hidden_states.to(final_hidden_states.dtype)
-            )
-
-        return final_hidden_states
+    return FusedMoEFactory(
+        num_experts=config.num_experts,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.moe_intermediate_size,
+        activation=config.hidden_act,
+        top_k=config.num_experts_per_tok,
+        renormalize=False,
+        custom_routing_function=partial(chosen_by_the_source, moe_state=state),
+        runner_cls=TransformersMoERunner,
+        runner_args={"moe_state": state},
+        quant_config=quant_config,
+        prefix=prefix,
+    )
 
 
 class LagunaSparseMoeBlock(nn.Module):
@@ -223,7 +203,9 @@ class LagunaSparseMoeBlock(nn.Module):
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = ""
     ):
         super().__init__()
-        self.experts = LagunaExperts(config)
+        self.experts = LagunaExperts(
+            config, quant_config=quant_config, prefix=f"{prefix}.experts"
+        )
         self.gate = LagunaTopKRouter(config)
         self.shared_experts = LagunaMLP(
             config,
@@ -469,6 +451,7 @@ class LagunaDecoderLayer(nn.Module):
         return hidden_states, residual
 
 
+@support_torch_compile
 class LagunaModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -639,62 +622,4 @@ class LagunaForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        stacked: set[str] = set()
-        weights = self._stacked_experts(self.hf_to_vllm_mapper.apply(weights), stacked)
-        return loader.load_weights(weights) | stacked
-
-    # per-expert checkpoint tensors -> the stacked expert parameters the source holds
-    # (transformers' conversion mapping: experts merged along dim 0, projections
-    # concatenated within each expert)
-    expert_stacking = (
-        (
-            re.compile(r"^(.*?)mlp\.experts\.(\d+)\.gate_proj\.weight$"),
-            "mlp.experts.gate_up_proj",
-            0,
-            2,
-        ),
-        (
-            re.compile(r"^(.*?)mlp\.experts\.(\d+)\.up_proj\.weight$"),
-            "mlp.experts.gate_up_proj",
-            1,
-            2,
-        ),
-        (
-            re.compile(r"^(.*?)mlp\.experts\.(\d+)\.down_proj\.weight$"),
-            "mlp.experts.down_proj",
-            0,
-            1,
-        ),
-    )
-
-    def _stacked_experts(self, weights, loaded: set[str]):
-        params = dict(self.named_parameters())
-        for name, tensor in weights:
-            for pattern, target, shard, shards in self.expert_stacking:
-                found = pattern.match(name)
-                if found is None:
-                    continue
-                param_name = found.group(1) + target
-                param = params.get(param_name)
-                if param is None:
-                    # a layer of another pipeline stage, or experts fused into vLLM's
-                    # MoE layer, whose own loader reads per-expert tensors
-                    if not self._on_another_stage(param_name):
-                        yield name, tensor
-                    break
-                expert = int(found.group(2))
-                param.data[expert].chunk(shards, dim=0)[shard].copy_(tensor)
-                loaded.add(param_name)
-                break
-            else:
-                yield name, tensor
-
-    def _on_another_stage(self, name: str) -> bool:
-        parts = name.split(".")
-        for i in range(len(parts), 0, -1):
-            try:
-                module = self.get_submodule(".".join(parts[:i]))
-            except AttributeError:
-                continue
-            return isinstance(module, PPMissingLayer)
-        return False
+        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)

@@ -13,6 +13,7 @@
 #   Fused: post_attention_layernorm (Mistral4DecoderLayer) -> post_attention_layernorm (RMSNorm)
 #   Fused: q_a_layernorm (Mistral4Attention) -> q_a_layernorm (RMSNorm)
 #   Fused: kv_a_layernorm (Mistral4Attention) -> kv_a_layernorm (RMSNorm)
+#   Fused: gate_up_proj + down_proj (Mistral4Experts) -> experts (FusedMoE, external routing: the block's own router picks the experts, in self.mlp.experts)
 #   Fused: gate_proj + up_proj (Mistral4MLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: gate_proj + up_proj (Mistral4MLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
 #   Fused: residual add + input_layernorm (Mistral4DecoderLayer) -> input_layernorm (RMSNorm(x, residual))
@@ -20,10 +21,8 @@
 #   Unfused: module (Mistral4RotaryEmbedding): copied from the source
 #   Unfused: module (Mistral4MoE): copied from the source (Mistral4MoE as FusedMoE (renormalize=True): the fused form differs (max rel err 7.1e-01 > 1e-05))
 #   Unfused: module (Mistral4TopkRouter): copied from the source
-#   Unfused: module (Mistral4Experts): copied from the source
 #   Unfused: attention (Mistral4Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: tensor parallel (Mistral4Attention): replicated on every rank: kv_a_proj_with_mqa, kv_b_proj, o_proj (transformers' TP plan has no entry for them)
-#   Unfused: torch.compile (Mistral4Model): off: Mistral4Experts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (Mistral4MoE): Mistral4MoE as FusedMoE (renormalize=True): the fused form differs (max rel err 7.1e-01 > 1e-05)
 #   Refused: latent attention (Mistral4Attention): the latent `kv_pass` is not normed once by a proven norm
 #   Refused: q/k/v projections (Mistral4Attention): `torch.cat((q_pass, q_rot), dim=-1) * get_llama_4_attn_scale( position_ids, self.config.rope_parameters.get("llama_4_scaling_beta"), self.config.rope_parameters.get("original_max_position_embeddings"), ).to(torch.cat((q_pass, q_rot), dim=-1).dtype)` between a projection and attention
@@ -33,17 +32,18 @@
 
 from collections.abc import Iterable
 from copy import copy as shallow_copy
+from functools import partial
 from itertools import islice
 
 import torch
 from torch import nn
 
-from transformers.activations import ACT2FN
-
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
@@ -60,6 +60,10 @@ from vllm.model_executor.models.interfaces import (
     SupportsLoRA,
     SupportsPP,
     SupportsQuant,
+)
+from vllm.model_executor.models.transformers.moe import (
+    TransformersMoERunner,
+    TransformersMoEState,
 )
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
@@ -224,57 +228,33 @@ class Mistral4TopkRouter(nn.Module):
         return router_logits, topk_weights, topk_indices
 
 
-class Mistral4Experts(nn.Module):
-    """Collection of expert weights stored as 3D tensors."""
+def Mistral4Experts(
+    config, quant_config: QuantizationConfig | None = None, prefix: str = ""
+):
+    """Mistral4Experts as vLLM's fused MoE layer, routed externally: the block's own
+    router (the source's) picks the experts and hands over their ids and weights."""
+    state = TransformersMoEState()
 
-    def __init__(self, config):
-        super().__init__()
-        self.num_experts = config.num_local_experts
-        self.hidden_dim = config.hidden_size
-        self.intermediate_dim = config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim)
-        )
-        self.down_proj = nn.Parameter(
-            torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim)
-        )
-        self.act_fn = ACT2FN[config.hidden_act]
+    def chosen_by_the_source(
+        hidden_states, gating_output, topk, renormalize, moe_state
+    ):
+        # `gating_output` is the source router's top-k weights; the ids were stored
+        # by the runner's forward
+        return gating_output, moe_state.topk_ids
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-    ) -> torch.Tensor:
-        final_hidden_states = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            expert_mask = torch.nn.functional.one_hot(
-                top_k_index, num_classes=self.num_experts + 1
-            )
-            expert_mask = expert_mask.permute(2, 1, 0)
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-
-        for expert_idx in expert_hit:
-            expert_idx = expert_idx[0]
-            if expert_idx == self.num_experts:
-                continue
-            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-            current_state = hidden_states[token_idx]
-            gate, up = nn.functional.linear(
-                current_state, self.gate_up_proj[expert_idx]
-            ).chunk(2, dim=-1)
-            current_hidden_states = self.act_fn(gate) * up
-            current_hidden_states = nn.functional.linear(
-                current_hidden_states, self.down_proj[expert_idx]
-            )
-            current_hidden_states = (
-                current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
-            )
-            final_hidden_states.index_add_(
-                0, token_idx, current_hidden_states.to(final_hidden_states.dtype)
-            )
-
-        return final_hidden_states
+    return FusedMoEFactory(
+        num_experts=config.num_local_experts,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.moe_intermediate_size,
+        activation=config.hidden_act,
+        top_k=config.num_experts_per_tok,
+        renormalize=False,
+        custom_routing_function=partial(chosen_by_the_source, moe_state=state),
+        runner_cls=TransformersMoERunner,
+        runner_args={"moe_state": state},
+        quant_config=quant_config,
+        prefix=prefix,
+    )
 
 
 class Mistral4MoE(nn.Module):
@@ -287,7 +267,9 @@ class Mistral4MoE(nn.Module):
     ):
         super().__init__()
         self.config = config
-        self.experts = Mistral4Experts(config)
+        self.experts = Mistral4Experts(
+            config, quant_config=quant_config, prefix=f"{prefix}.experts"
+        )
         self.gate = Mistral4TopkRouter(config)
         self.shared_experts = Mistral4MLP(
             config=config,
@@ -677,6 +659,7 @@ class Mistral4DecoderLayer(nn.Module):
         return hidden_states, residual
 
 
+@support_torch_compile
 class Mistral4Model(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

@@ -9,6 +9,7 @@ import re
 IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("collections.abc", ("Iterable",)),
     ("copy", ("copy", "copy as shallow_copy")),
+    ("functools", ("partial",)),
     ("transformers.activations", ("ACT2CLS", "ACT2FN")),
     ("transformers.core_model_loading", ("WeightRenaming",)),
     ("itertools", ("islice",)),
@@ -64,6 +65,10 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("SupportsLoRA", "SupportsPP", "SupportsQuant"),
     ),
     (
+        "vllm.model_executor.models.transformers.moe",
+        ("TransformersMoERunner", "TransformersMoEState"),
+    ),
+    (
         "vllm.model_executor.models.utils",
         (
             "AutoWeightsLoader",
@@ -80,7 +85,7 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 # names whose plain use is too loose a test: `copy(` the function, not `copy.deepcopy`
-_USE = {"copy": r"(?<![\w.])copy\("}
+_USE = {"copy": r"(?<![\w.])copy\(", "partial": r"(?<![\w.])partial\("}
 
 
 def imports_for(body: str, defined: set[str] = frozenset()) -> str:

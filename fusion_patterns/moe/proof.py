@@ -10,7 +10,8 @@ import libcst as cst
 from ..base import PatternRefused, code
 from .match import MoESpec
 
-def _evaluate(expr: cst.BaseExpression, config, what: str):
+
+def evaluate(expr: cst.BaseExpression, config, what: str):
     try:
         return eval(
             code(expr), {"config": config, "True": True, "False": False}
@@ -24,13 +25,19 @@ def _evaluate(expr: cst.BaseExpression, config, what: str):
 def fused_reference(x, logits, gate_up, down, act_and_mul, routing: dict):
     """vLLM's FusedMoE, written out: its own routing function (`grouped_topk`, which
     covers plain top-k as one group), then one token and one chosen expert at a time."""
-    import torch
-
     from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import (
         grouped_topk,
     )
 
     weights, chosen = grouped_topk(x, logits.float(), **routing)
+    return experts_reference(x, chosen, weights, gate_up, down, act_and_mul)
+
+
+def experts_reference(x, chosen, weights, gate_up, down, act_and_mul):
+    """What vLLM's fused experts compute once routed, one token and one chosen expert
+    at a time: sum_k w_k down_e(act_and_mul(gate_up_e x))."""
+    import torch
+
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for w, e in zip(weights[t], chosen[t]):
@@ -48,7 +55,7 @@ def prove(spec: MoESpec, module, config) -> None:
 
     from ..dataflow import require_close
 
-    act = str(_evaluate(spec.activation, config, "the activation key"))
+    act = str(evaluate(spec.activation, config, "the activation key"))
     try:
         MoEActivation.from_str(act)
         act_and_mul = get_act_and_mul_fn(act).forward_native
@@ -76,22 +83,22 @@ def prove(spec: MoESpec, module, config) -> None:
             if id(t) not in known and id(t) not in skip and t.is_floating_point():
                 t.copy_(torch.randn(t.shape, generator=gen))
     routing = {
-        "topk": int(_evaluate(spec.top_k, config, "top-k")),
-        "renormalize": bool(_evaluate(spec.renormalize, config, "the renormalisation")),
+        "topk": int(evaluate(spec.top_k, config, "top-k")),
+        "renormalize": bool(evaluate(spec.renormalize, config, "the renormalisation")),
         "scoring_func": r.scoring,
         "num_expert_group": 1,
         "topk_group": 1,
     }
     if r.groups is not None:
         routing["num_expert_group"] = int(
-            _evaluate(spec.resolved("num_expert_group"), config, "groups")
+            evaluate(spec.resolved("num_expert_group"), config, "groups")
         )
         routing["topk_group"] = int(
-            _evaluate(spec.resolved("topk_group"), config, "top-k groups")
+            evaluate(spec.resolved("topk_group"), config, "top-k groups")
         )
     if r.scale is not None:
         routing["routed_scaling_factor"] = float(
-            _evaluate(
+            evaluate(
                 spec.resolved("routed_scaling_factor"),
                 config,
                 "the routed scaling factor",

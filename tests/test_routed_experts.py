@@ -1,0 +1,103 @@
+"""Experts routed by the source's own router (`fusion_patterns/routed_experts.py`), on
+edited copies of a real transformers source whose router vLLM's routing does not
+reproduce (PhiMoE: a sparse mixer). Engine-free: what is claimed, what the file holds,
+what is refused; `verify` runs the claimed files in vLLM (the coverage run, the faithful
+engine tests, the able-to-fail copies)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from codemods.apply import generate
+from codemods.source import transformers_root
+
+SOURCE = next(transformers_root().glob("models/phimoe/modeling_phimoe.py")).read_text()
+EXPERTS = "PhimoeExperts"
+CALL = "self.experts(hidden_states, selected_experts, routing_weights)"
+
+
+def mutant(tmp_path: Path, old: str, new: str) -> str:
+    assert SOURCE.count(old) == 1, old
+    path = tmp_path / "modeling_phimoe.py"
+    path.write_text(SOURCE.replace(old, new))
+    return str(path)
+
+
+def experts_lines(plan, prefix: str) -> list[str]:
+    return [
+        line
+        for line in plan.report()
+        if line.startswith(prefix) and f"({EXPERTS})" in line
+    ]
+
+
+def test_experts_behind_an_unproven_router_run_as_fused_moe():
+    plan, text = generate("modeling_phimoe.py")
+    # the block's router is not vLLM's: the block stays the source's
+    assert any(r.source_class == "PhimoeSparseMoeBlock" for r in plan.refusals)
+    [fused] = experts_lines(plan, "Fused:")
+    assert "-> experts (FusedMoE, external routing" in fused
+    tree = ast.parse(text)
+    # the experts are vLLM's fused layer, built with the block's layer name (its
+    # forward context needs one per layer) and the source's top-k
+    factory = next(
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == EXPERTS
+    )
+    body = ast.unparse(factory)
+    assert "FusedMoEFactory(" in body and "runner_cls=TransformersMoERunner" in body
+    assert "top_k=config.num_experts_per_tok" in body and "prefix=prefix" in body
+    assert 'prefix=f"{prefix}.experts"' in text
+    # the loop over the experts is gone, and with it the reason to run eagerly
+    assert ".nonzero()" not in text
+    assert "@support_torch_compile" in text
+    assert not any("torch.compile" in line for line in plan.report())
+
+
+def test_experts_that_compute_something_else_are_refused_and_copied(tmp_path):
+    edited = mutant(
+        tmp_path,
+        "current_hidden_states = self.act_fn(gate) * up",
+        "current_hidden_states = self.act_fn(up) * gate",
+    )
+    plan, text = generate(edited, trust_remote_code=True)
+    [refused] = experts_lines(plan, "Refused:")
+    assert "the fused form differs" in refused
+    assert not experts_lines(plan, "Fused:")
+    assert f"class {EXPERTS}(nn.Module)" in text  # copied, as the source computes it
+    assert any("torch.compile" in line for line in plan.report())
+
+
+def test_experts_called_by_keyword_are_refused(tmp_path):
+    """vLLM's runner names its arguments differently: only a positional call is taken."""
+    edited = mutant(
+        tmp_path,
+        CALL,
+        "self.experts(hidden_states, top_k_index=selected_experts, "
+        "top_k_weights=routing_weights)",
+    )
+    plan, _ = generate(edited, trust_remote_code=True)
+    [refused] = experts_lines(plan, "Refused:")
+    assert "positionally" in refused
+
+
+def test_experts_handed_weights_before_ids_stay_the_sources(tmp_path):
+    # the block hands (weights, ids): the experts' own signature swapped to match
+    text = SOURCE.replace(
+        CALL, "self.experts(hidden_states, routing_weights, selected_experts)"
+    )
+    start = text.index(f"class {EXPERTS}(")
+    head, tail = text[:start], text[start:]
+    tail = tail.replace(
+        "top_k_index: torch.Tensor,\n        top_k_weights: torch.Tensor,",
+        "top_k_weights: torch.Tensor,\n        top_k_index: torch.Tensor,",
+        1,
+    )
+    assert tail != text[start:]
+    path = tmp_path / "modeling_phimoe.py"
+    path.write_text(head + tail)
+    plan, text = generate(str(path), trust_remote_code=True)
+    # not called as vLLM's runner is: the experts stay the source's loop, and say so
+    assert not experts_lines(plan, "Fused:")
+    assert f"class {EXPERTS}(nn.Module)" in text
+    assert any(line.startswith("Unfused: torch.compile") for line in plan.report())
