@@ -196,7 +196,8 @@ MUTATIONS += [
 ]
 
 # the classes of bug no copy above plants: stacked shard ids, the activation, rope
-# style and theta, norm eps, Gemma's `1 + w`, router top-k and scoring, attention sinks
+# style and theta, norm eps, Gemma's `1 + w`, router top-k and scoring, the weights an
+# external router hands the fused experts, attention sinks
 BUG_CLASSES = [
     (
         "qwen3",
@@ -245,6 +246,12 @@ BUG_CLASSES = [
         "router scoring softmax, not sigmoid",
         'scoring_func="sigmoid",',
         'scoring_func="softmax",',
+    ),
+    (
+        "afmoe",
+        "the source router's top-k weights ignored by the fused experts",
+        "return gating_output, moe_state.topk_ids",
+        "return torch.ones_like(gating_output), moe_state.topk_ids",
     ),
     (
         "gpt_oss",
