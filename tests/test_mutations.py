@@ -118,6 +118,8 @@ def test_mutant(outcomes, name, expectation):
         for fragment in detail:
             assert any(fragment in line for line in refusals), (fragment, refusals)
     if outcome.get("engine") is False:
-        pytest.skip("generated and reported as expected; its engine run is in the sweep")
+        pytest.skip(
+            "generated and reported as expected; its engine run is in the sweep"
+        )
     assert outcome["code"] == 0 and outcome["ok"], outcome
     assert outcome["impl"].startswith("_verify_qwen3_")
