@@ -130,9 +130,14 @@ def _taken_with_its_block(model, cls: str) -> bool:
     return bool(owners) and all(model.claimed_whole(o.name) for o, _ in owners)
 
 
+def _handed(seen) -> list:
+    """What the probe saw the module called with, positional then keyword, in order."""
+    return [*seen[0], *seen[1].values()] if seen is not None else []
+
+
 def _called_as_experts(seen) -> bool:
     """Called (hidden, top-k ids, top-k weights), as transformers' experts are."""
-    handed = [*seen[0], *seen[1].values()] if seen is not None else []
+    handed = _handed(seen)
     if len(handed) != 3:
         return False
     x, ids, weights = handed
@@ -175,7 +180,7 @@ def _prove(model, info: ClassInfo, spec, inst, seen) -> str:
                 f"{owner.name} does not call self.{attr}(hidden, top-k ids, top-k weights) "
                 "once, positionally"
             )
-    ids = [*seen[0], *seen[1].values()][1]
+    ids = _handed(seen)[1]
     k = ids.shape[-1]
     top_k = _top_k(model, info, k)
     act = str(

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from conftest import edited_modeling_file
+
 from codemods.apply import generate
 from codemods.source import transformers_root
 
@@ -18,10 +20,7 @@ CALL = "self.experts(hidden_states, selected_experts, routing_weights)"
 
 
 def mutant(tmp_path: Path, old: str, new: str) -> str:
-    assert SOURCE.count(old) == 1, old
-    path = tmp_path / "modeling_phimoe.py"
-    path.write_text(SOURCE.replace(old, new))
-    return str(path)
+    return str(edited_modeling_file(tmp_path, "modeling_phimoe.py", old, new))
 
 
 def experts_lines(plan, prefix: str) -> list[str]:
