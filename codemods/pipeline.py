@@ -59,7 +59,9 @@ def claimed(
             tp_plan=claims.tp_plan(
                 found.config, found.model, role.base_attr, source.classes
             ),
-            kept_linears=copying.kept_linears(source.module, source.classes),
+            kept_linears=copying.kept_linears(
+                source.module, source.classes, role.wanted
+            ),
         ),
         disabled,
     )

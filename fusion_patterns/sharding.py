@@ -1,7 +1,9 @@
 """Tensor parallelism for copied classes: a plan of column/row styles, proven per class.
 
 A class's linears are sharded as the config class's `base_model_tp_plan` says
-(colwise / rowwise; the gathered variants behave like replicated ones), but only if
+(colwise / rowwise; the gathered variants behave like replicated ones) or, for a class
+the plan has no entry for, as its dataflow says (`derive`: Megatron's pairs, the
+linears feeding another linear column-parallel, that one row-parallel), but only if
 that class, alone, computes the same function sharded: the proof splits its column-
 parallel weights by output and its row-parallel ones by input over two simulated
 ranks, divides its head counts, runs each rank's copy on the inputs the class received
@@ -17,6 +19,51 @@ import copy
 RANKS = 2
 TOLERANCE = 1e-5
 SHARDED = {"colwise", "rowwise"}
+# a column-parallel linear whose output the source splits into equal parts (GPT-2's
+# `c_attn`, q|k|v): each part sharded on its own, as vLLM's merged linear holds them
+PACKED = "colwise_packed_"
+
+
+def is_column(style: str) -> bool:
+    return style == "colwise" or style.startswith(PACKED)
+
+
+def candidates(module, plan: dict[str, str]):
+    """`plan`, then each column-parallel linear of it taken as 3 or 2 equal packed parts
+    (the proof tells which the source computes)."""
+    yield plan
+    for attr, style in plan.items():
+        if style != "colwise":
+            continue
+        out = getattr(module, attr).out_features
+        for parts in (3, 2):
+            if out % (parts * RANKS) == 0:
+                yield {**plan, attr: f"{PACKED}{parts}"}
+
+
+def as_linears(module):
+    """`module`, or a copy of it whose transformers `Conv1D` children (a linear storing
+    its weight [in, out]) are `nn.Linear`s computing the same: what the generated file
+    builds in their place, and what the plan and its proof look at."""
+    from torch import nn
+
+    convs = [
+        n
+        for n, c in module.named_children()
+        if type(c).__name__ == "Conv1D" and hasattr(c, "nf")
+    ]
+    if not convs:
+        return module
+    module = copy.deepcopy(module)
+    for n in convs:
+        conv = getattr(module, n)
+        nx, nf = conv.weight.shape
+        linear = nn.Linear(nx, nf, bias=conv.bias is not None)
+        linear.weight.data = conv.weight.data.t().contiguous()
+        if conv.bias is not None:
+            linear.bias.data = conv.bias.data.clone()
+        setattr(module, n, linear)
+    return module
 
 
 class _AllReduce:
@@ -51,11 +98,27 @@ def _row_parallel(linear, rank: int, reduce: _AllReduce):
 
 
 def _shard(module, styles, head_attrs, sinks, rank: int, reduce: _AllReduce):
+    import torch
+
     shard = copy.deepcopy(module)
     for attr, style in styles.items():
         linear = getattr(shard, attr)
         w = linear.weight.data
-        if style == "colwise":
+        if style.startswith(PACKED):
+            parts = int(style.removeprefix(PACKED))
+            if w.shape[0] % (parts * RANKS):
+                raise ValueError(
+                    f"self.{attr} has {w.shape[0]} outputs, not {parts} parts divisible by {RANKS}"
+                )
+
+            def mine(t):
+                return torch.cat([p.chunk(RANKS, 0)[rank] for p in t.chunk(parts, 0)])
+
+            linear.weight.data = mine(w).clone()
+            if linear.bias is not None:
+                linear.bias.data = mine(linear.bias.data).clone()
+            linear.out_features = linear.weight.shape[0]
+        elif style == "colwise":
             if w.shape[0] % RANKS:
                 raise ValueError(
                     f"self.{attr} has {w.shape[0]} outputs, not divisible by {RANKS}"
@@ -82,6 +145,109 @@ def _shard(module, styles, head_attrs, sinks, rank: int, reduce: _AllReduce):
     return shard
 
 
+def derive(module, call, kept: set[str] = frozenset()) -> dict[str, str] | str:
+    """Column/row styles for `module`'s own linears from its dataflow, or why there are
+    none. The dataflow is measured, not read: the class runs on the inputs the tiny
+    model gave it, once as it is and once with each linear's output perturbed, and a
+    linear "feeds" another when perturbing it changes the other's input. A linear fed
+    by others and feeding none, whose output reaches the class's, is row-parallel; the
+    linears feeding it directly (not through another linear) are column-parallel: q/k/v
+    before attention and `o_proj`, an MLP's up projection before its down projection.
+    Every other linear (a router, a latent's down-projection, a shortcut) stays whole.
+    `kept`: linears the source reads as weights, which stay plain torch layers."""
+    import torch
+    from torch import nn
+
+    linears = [n for n, c in module.named_children() if isinstance(c, nn.Linear)]
+    if not linears:
+        return "it holds no linear of its own"
+    if call is None:
+        return "the tiny model never calls it"
+    args, kwargs, _ = call
+
+    def run(perturbed: str | None):
+        seen: dict[str, list] = {n: [] for n in linears}
+        hooks = []
+        for n in linears:
+            child = getattr(module, n)
+            hooks.append(
+                child.register_forward_pre_hook(
+                    lambda _m, a, n=n: seen[n].append(a[0].detach().clone())
+                )
+            )
+            if n == perturbed:
+                hooks.append(
+                    child.register_forward_hook(
+                        lambda _m, _a, out: out + torch.randn_like(out)
+                    )
+                )
+        try:
+            with torch.no_grad():
+                torch.manual_seed(0)
+                out = _first(module(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
+        finally:
+            for h in hooks:
+                h.remove()
+        return seen, out
+
+    try:
+        base, out = run(None)
+        if any(len(v) != 1 for v in base.values() if v):
+            return "a linear is called more than once"
+        called = [n for n in linears if base[n]]
+        feeds: dict[str, set[str]] = {}
+        reaches: set[str] = set()
+        for n in called:
+            seen, got = run(n)
+            feeds[n] = {
+                r for r in called if r != n and not torch.equal(seen[r][0], base[r][0])
+            }
+            if not torch.equal(got, out):
+                reaches.add(n)
+    except Exception as exc:  # noqa: BLE001 - a class that cannot rerun alone
+        return f"it cannot be rerun alone ({type(exc).__name__})"
+    fed_by = {r: {n for n in called if r in feeds[n]} for r in called}
+    # directly: not only through another linear it feeds
+    direct = {
+        r: {n for n in fed_by[r] if not any(r in feeds[k] for k in feeds[n])}
+        for r in called
+    }
+    rowwise = {r for r in reaches if fed_by[r] and not feeds[r]}
+    if not rowwise:
+        return "no linear feeds another on the way to its output"
+    colwise = set().union(*(direct[r] for r in rowwise))
+    if (colwise | rowwise) & kept:
+        return f"the source reads {', '.join(sorted((colwise | rowwise) & kept))} as weights"
+    return {
+        **{n: "colwise" for n in called if n in colwise},
+        **{n: "rowwise" for n in called if n in rowwise},
+    }
+
+
+def widths(module, styles: dict[str, str], head_attrs: list[str]) -> list[str]:
+    """The module's integer attributes that count a sharded width whole (`self.embed_dim`
+    in `attn_output.reshape(bsz, tokens, self.embed_dim)`): those equal to a column-
+    parallel linear's outputs, or a row-parallel one's inputs. Candidates only: the
+    proof decides whether dividing them over the ranks computes the same."""
+    sizes = set()
+    for attr, style in styles.items():
+        linear = getattr(module, attr)
+        if is_column(style):
+            sizes.add(linear.out_features)
+            if style.startswith(PACKED):
+                sizes.add(linear.out_features // int(style.removeprefix(PACKED)))
+        elif style == "rowwise":
+            sizes.add(linear.in_features)
+    return [
+        a
+        for a, v in vars(module).items()
+        if type(v) is int
+        and v in sizes
+        and a not in head_attrs
+        and not a.startswith("_")
+    ]
+
+
 def _first(out):
     if isinstance(out, (tuple, list)):
         return out[0]
@@ -96,7 +262,7 @@ def prove(
 
     import torch
 
-    sharded = {a: s for a, s in styles.items() if s in SHARDED}
+    sharded = {a: s for a, s in styles.items() if s in SHARDED or is_column(s)}
     if not sharded:
         return None
     if call is None:
@@ -138,4 +304,3 @@ def prove(
         if err / ref > TOLERANCE:
             return f"sharded over {RANKS} ranks it computes something else (relative error {err / ref:.1e})"
     return None
-

@@ -17,8 +17,7 @@
 #   Unfused: module (AfmoeSparseMoeBlock): copied from the source (the router logits are not one linear of self.<weight>)
 #   Unfused: module (AfmoeTokenChoiceRouter): copied from the source
 #   Unfused: attention (AfmoeAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
-#   Unfused: tensor parallel (AfmoeTokenChoiceRouter): replicated on every rank: gate (transformers' TP plan has no entry for them)
-#   Unfused: tensor parallel (AfmoeAttention): replicated on every rank: q_proj, k_proj, v_proj, o_proj, gate_proj (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (AfmoeTokenChoiceRouter): replicated on every rank: gate (transformers' TP plan has no entry for them, and their dataflow gives none: no linear feeds another on the way to its output)
 #   Refused: AfmoeRMSNorm (AfmoeRMSNorm): the weight is not applied as a multiply after the cast back
 #   Refused: router + experts (AfmoeSparseMoeBlock): the router logits are not one linear of self.<weight>
 #   Refused: q/k/v projections (AfmoeAttention): no single output projection after attention
@@ -36,11 +35,12 @@ from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
@@ -285,7 +285,7 @@ class AfmoeAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
 
-        self.q_proj = ReplicatedLinear(
+        self.q_proj = ColumnParallelLinear(
             config.hidden_size,
             config.num_attention_heads * self.head_dim,
             bias=config.attention_bias,
@@ -293,7 +293,7 @@ class AfmoeAttention(nn.Module):
             prefix=f"{prefix}.q_proj",
             return_bias=False,
         )
-        self.k_proj = ReplicatedLinear(
+        self.k_proj = ColumnParallelLinear(
             config.hidden_size,
             config.num_key_value_heads * self.head_dim,
             bias=config.attention_bias,
@@ -301,7 +301,7 @@ class AfmoeAttention(nn.Module):
             prefix=f"{prefix}.k_proj",
             return_bias=False,
         )
-        self.v_proj = ReplicatedLinear(
+        self.v_proj = ColumnParallelLinear(
             config.hidden_size,
             config.num_key_value_heads * self.head_dim,
             bias=config.attention_bias,
@@ -309,7 +309,7 @@ class AfmoeAttention(nn.Module):
             prefix=f"{prefix}.v_proj",
             return_bias=False,
         )
-        self.o_proj = ReplicatedLinear(
+        self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim,
             config.hidden_size,
             bias=config.attention_bias,
@@ -324,7 +324,7 @@ class AfmoeAttention(nn.Module):
 
         self.q_norm = AfmoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = AfmoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.gate_proj = ReplicatedLinear(
+        self.gate_proj = ColumnParallelLinear(
             config.hidden_size,
             config.num_attention_heads * self.head_dim,
             bias=False,
@@ -338,6 +338,12 @@ class AfmoeAttention(nn.Module):
             is_neox_style=True,
             rope_parameters=config.rope_parameters,
         )
+        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
+        # of the heads (the source's reshapes count heads per rank)
+        tp_size = get_tensor_model_parallel_world_size()
+        assert (
+            config.num_key_value_heads
+        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = self.sliding_window
@@ -350,10 +356,10 @@ class AfmoeAttention(nn.Module):
             cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
-            config.num_attention_heads,
+            config.num_attention_heads // tp_size,
             self.head_dim,
             self.scaling,
-            num_kv_heads=config.num_key_value_heads,
+            num_kv_heads=config.num_key_value_heads // tp_size,
             cache_config=cache_config,
             quant_config=quant_config,
             per_layer_sliding_window=sliding_window,

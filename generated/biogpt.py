@@ -12,8 +12,6 @@
 #   Unfused: attention (BioGptAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: module (BioGptLearnedPositionalEmbedding): copied from the source
 #   Kept: embedding (BioGptScaledWordEmbedding): copied from the source onto VocabParallelEmbedding (sharded over the vocabulary as vLLM's own)
-#   Unfused: tensor parallel (BioGptDecoderLayer): replicated on every rank: fc1, fc2 (transformers' TP plan has no entry for them)
-#   Unfused: tensor parallel (BioGptAttention): replicated on every rank: k_proj, v_proj, q_proj, out_proj (transformers' TP plan has no entry for them)
 #   Refused: q/k/v projections (BioGptAttention): key_states is assigned twice
 #   Refused: residual add + norm (BioGptDecoderLayer): self.self_attn_layer_norm is not an RMSNorm
 # ======================================================================================
@@ -31,9 +29,9 @@ from transformers.activations import ACT2FN
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -167,7 +165,7 @@ class BioGptAttention(nn.Module):
                 "when creating this class."
             )
 
-        self.k_proj = ReplicatedLinear(
+        self.k_proj = ColumnParallelLinear(
             embed_dim,
             embed_dim,
             bias=bias,
@@ -175,7 +173,7 @@ class BioGptAttention(nn.Module):
             prefix=f"{prefix}.k_proj",
             return_bias=False,
         )
-        self.v_proj = ReplicatedLinear(
+        self.v_proj = ColumnParallelLinear(
             embed_dim,
             embed_dim,
             bias=bias,
@@ -183,7 +181,7 @@ class BioGptAttention(nn.Module):
             prefix=f"{prefix}.v_proj",
             return_bias=False,
         )
-        self.q_proj = ReplicatedLinear(
+        self.q_proj = ColumnParallelLinear(
             embed_dim,
             embed_dim,
             bias=bias,
@@ -191,7 +189,7 @@ class BioGptAttention(nn.Module):
             prefix=f"{prefix}.q_proj",
             return_bias=False,
         )
-        self.out_proj = ReplicatedLinear(
+        self.out_proj = RowParallelLinear(
             embed_dim,
             embed_dim,
             bias=bias,
@@ -199,6 +197,13 @@ class BioGptAttention(nn.Module):
             prefix=f"{prefix}.out_proj",
             return_bias=False,
         )
+        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
+        # of the heads (the source's reshapes count heads per rank)
+        tp_size = get_tensor_model_parallel_world_size()
+        assert (
+            self.num_heads
+        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
+        self.num_heads = self.num_heads // tp_size
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -284,7 +289,7 @@ class BioGptDecoderLayer(nn.Module):
 
         self.self_attn_layer_norm = nn.LayerNorm(self.embed_dim)
 
-        self.fc1 = ReplicatedLinear(
+        self.fc1 = ColumnParallelLinear(
             self.embed_dim,
             config.intermediate_size,
             bias=True,
@@ -292,7 +297,7 @@ class BioGptDecoderLayer(nn.Module):
             prefix=f"{prefix}.fc1",
             return_bias=False,
         )
-        self.fc2 = ReplicatedLinear(
+        self.fc2 = RowParallelLinear(
             config.intermediate_size,
             self.embed_dim,
             bias=True,

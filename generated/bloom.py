@@ -12,8 +12,8 @@
 #   Unfused: module (BloomMLP): copied from the source
 #   Unfused: module (BloomGelu): copied from the source
 #   Unfused: attention (BloomAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5, alibi=alibi_slopes(self.num_heads))
-#   Unfused: tensor parallel (BloomMLP): replicated on every rank: dense_h_to_4h (transformers' TP plan has no entry for them)
-#   Unfused: tensor parallel (BloomAttention): replicated on every rank: query_key_value (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (BloomMLP): replicated on every rank: dense_h_to_4h (transformers' TP plan has no entry for them, and their dataflow gives none: the source reads dense_4h_to_h as weights)
+#   Unfused: tensor parallel (BloomAttention): replicated on every rank: query_key_value (transformers' TP plan has no entry for them, and their dataflow gives none: the source reads dense as weights)
 #   Refused: residual add + norm (BloomBlock): forward does not end with `return <hidden states>`
 # ======================================================================================
 """Native vLLM implementation of BloomForCausalLM, generated from transformers/models/bloom/modeling_bloom.py."""

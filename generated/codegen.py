@@ -11,8 +11,7 @@
 #   Unfused: decoder layer (CodeGenBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (CodeGenMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (CodeGenAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5)
-#   Unfused: tensor parallel (CodeGenMLP): replicated on every rank: fc_in, fc_out (transformers' TP plan has no entry for them)
-#   Unfused: tensor parallel (CodeGenAttention): replicated on every rank: qkv_proj, out_proj (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (CodeGenAttention): replicated: sharded over 2 ranks it fails (RuntimeError: shape '[1, 40, 4, 0, 80]' is invalid for input of size 6400)
 #   Refused: gate/up projections (CodeGenMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: residual add + norm (CodeGenBlock): forward does not end with `return <hidden states>`
 # ======================================================================================
@@ -32,7 +31,11 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -292,7 +295,7 @@ class CodeGenMLP(nn.Module):
         super().__init__()
         embed_dim = config.n_embd
 
-        self.fc_in = ReplicatedLinear(
+        self.fc_in = ColumnParallelLinear(
             embed_dim,
             intermediate_size,
             bias=True,
@@ -300,7 +303,7 @@ class CodeGenMLP(nn.Module):
             prefix=f"{prefix}.fc_in",
             return_bias=False,
         )
-        self.fc_out = ReplicatedLinear(
+        self.fc_out = RowParallelLinear(
             intermediate_size,
             embed_dim,
             bias=True,

@@ -10,7 +10,6 @@
 # Fusion report:
 #   Unfused: decoder layer (EncoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (MultiHeadAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
-#   Unfused: tensor parallel (MultiHeadAttention): replicated on every rank: Wq, Wk, Wv, dense (transformers' TP plan has no entry for them)
 #   Refused: q/k/v projections (MultiHeadAttention): the projections read different tensors (k, q, v)
 #   Refused: residual add + norm (EncoderLayer): `normed = self.layernorm1(x)` does not save the residual stream
 # ======================================================================================
@@ -25,9 +24,9 @@ from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -106,7 +105,7 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = int(self.d_model_size / self.num_heads)
         self.scaling = self.head_dim**-0.5
 
-        self.Wq = ReplicatedLinear(
+        self.Wq = ColumnParallelLinear(
             self.d_model_size,
             self.d_model_size,
             bias=True,
@@ -114,7 +113,7 @@ class MultiHeadAttention(nn.Module):
             prefix=f"{prefix}.Wq",
             return_bias=False,
         )
-        self.Wk = ReplicatedLinear(
+        self.Wk = ColumnParallelLinear(
             self.d_model_size,
             self.d_model_size,
             bias=True,
@@ -122,7 +121,7 @@ class MultiHeadAttention(nn.Module):
             prefix=f"{prefix}.Wk",
             return_bias=False,
         )
-        self.Wv = ReplicatedLinear(
+        self.Wv = ColumnParallelLinear(
             self.d_model_size,
             self.d_model_size,
             bias=True,
@@ -131,7 +130,7 @@ class MultiHeadAttention(nn.Module):
             return_bias=False,
         )
 
-        self.dense = ReplicatedLinear(
+        self.dense = RowParallelLinear(
             self.d_model_size,
             self.d_model_size,
             bias=True,
@@ -139,6 +138,13 @@ class MultiHeadAttention(nn.Module):
             prefix=f"{prefix}.dense",
             return_bias=False,
         )
+        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
+        # of the heads (the source's reshapes count heads per rank)
+        tp_size = get_tensor_model_parallel_world_size()
+        assert (
+            self.num_heads
+        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
+        self.num_heads = self.num_heads // tp_size
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None

@@ -17,8 +17,8 @@
 #   Unfused: module (DbrxNormAttentionNorm): copied from the source
 #   Unfused: attention (DbrxAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: module (DbrxRotaryEmbedding): copied from the source
-#   Unfused: tensor parallel (DbrxRouter): replicated on every rank: layer (transformers' TP plan has no entry for them)
-#   Unfused: tensor parallel (DbrxAttention): replicated on every rank: Wqkv, out_proj (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (DbrxAttention): replicated: sharded over 2 ranks it fails (ValueError: self.num_key_value_heads = 1 heads, not divisible by 2)
+#   Unfused: tensor parallel (DbrxRouter): replicated on every rank: layer (transformers' TP plan has no entry for them, and their dataflow gives none: no linear feeds another on the way to its output)
 #   Unfused: torch.compile (DbrxModel): off: DbrxExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: experts (the source's router) (DbrxExperts): their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert
 #   Refused: q/k/v projections (DbrxAttention): `query_states` between a projection and attention

@@ -13,6 +13,8 @@
 #   Unfused: module (FalconMLP): copied from the source
 #   Unfused: module (FalconLinear): copied from the source
 #   Unfused: attention (FalconAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5)
+#   Unfused: tensor parallel (FalconMLP): replicated: self.dense_h_to_4h (FalconLinear), self.dense_4h_to_h (FalconLinear) the file keeps as the source builds it, not a vLLM linear it can shard
+#   Unfused: tensor parallel (FalconAttention): replicated: self.query_key_value (FalconLinear), self.dense (FalconLinear) the file keeps as the source builds it, not a vLLM linear it can shard
 #   Refused: rotary embedding (FalconAttention): the class computes attention itself (its core becomes vLLM's attention); vLLM's rope is not applied inside such a class
 #   Refused: residual add + norm (FalconDecoderLayer): forward does not end with `return <hidden states>`
 # ======================================================================================

@@ -11,6 +11,7 @@
 #   Unfused: decoder layer (GPT2Block): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (GPT2MLP): copied from the source
 #   Unfused: attention (GPT2Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Unfused: tensor parallel (GPT2Attention): replicated on every rank: c_attn, q_attn (built so in a branch the tiny model does not take (the proven construction of the same layer is sharded))
 #   Refused: q/k/v projections (GPT2Attention): self.q_attn(...) between a projection and attention
 #   Refused: residual add + norm (GPT2Block): self.ln_1 is not an RMSNorm
 # ======================================================================================
@@ -27,8 +28,14 @@ from transformers.activations import ACT2FN
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -51,7 +58,6 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from transformers.pytorch_utils import Conv1D
 from transformers.utils.generic import maybe_autocast
 
 
@@ -68,6 +74,16 @@ def vllm_attention(
         value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
     out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
     return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
+
+
+def conv1d_layout(layer: nn.Module) -> nn.Module:
+    """transformers' `Conv1D` is a linear that stores its weight as [in, out]: vLLM's
+    linear loads the checkpoint's tensor transposed."""
+    load = layer.weight.weight_loader
+    layer.weight.weight_loader = lambda param, weight, *args: load(
+        param, weight.t(), *args
+    )
+    return layer
 
 
 class GPT2Attention(nn.Module):
@@ -105,15 +121,58 @@ class GPT2Attention(nn.Module):
             self.scaling /= float(self.layer_idx + 1)
 
         if self.is_cross_attention:
-            self.c_attn = Conv1D(2 * self.embed_dim, self.embed_dim)
-            self.q_attn = Conv1D(self.embed_dim, self.embed_dim)
+            self.c_attn = conv1d_layout(
+                ReplicatedLinear(
+                    self.embed_dim,
+                    2 * self.embed_dim,
+                    bias=True,
+                    quant_config=quant_config,
+                    prefix=f"{prefix}.c_attn",
+                    return_bias=False,
+                )
+            )
+            self.q_attn = conv1d_layout(
+                ReplicatedLinear(
+                    self.embed_dim,
+                    self.embed_dim,
+                    bias=True,
+                    quant_config=quant_config,
+                    prefix=f"{prefix}.q_attn",
+                    return_bias=False,
+                )
+            )
         else:
-            self.c_attn = Conv1D(3 * self.embed_dim, self.embed_dim)
-        self.c_proj = Conv1D(self.embed_dim, self.embed_dim)
+            self.c_attn = conv1d_layout(
+                MergedColumnParallelLinear(
+                    self.embed_dim,
+                    [self.embed_dim] * 3,
+                    bias=True,
+                    quant_config=quant_config,
+                    prefix=f"{prefix}.c_attn",
+                    return_bias=False,
+                )
+            )
+        self.c_proj = conv1d_layout(
+            RowParallelLinear(
+                self.embed_dim,
+                self.embed_dim,
+                bias=True,
+                quant_config=quant_config,
+                prefix=f"{prefix}.c_proj",
+                return_bias=False,
+            )
+        )
 
         self.attn_dropout = nn.Dropout(config.attn_pdrop)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
         self.is_causal = not is_cross_attention
+        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
+        # of the heads (the source's reshapes count heads per rank)
+        tp_size = get_tensor_model_parallel_world_size()
+        assert (
+            self.num_heads
+        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
+        self.num_heads = self.num_heads // tp_size
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -135,6 +194,10 @@ class GPT2Attention(nn.Module):
             per_layer_sliding_window=sliding_window,
             prefix=f"{prefix}.attn",
         )
+        # tensor parallel: the source's reshapes count this rank's width
+        tp_size = get_tensor_model_parallel_world_size()
+        self.embed_dim = self.embed_dim // tp_size
+        self.split_size = self.split_size // tp_size
 
     def _upcast_and_reordered_attn(self, query, key, value, attention_mask=None):
         # Use `torch.baddbmm` (a bit more efficient w/ alpha param for scaling -- from Megatron-LM)
@@ -208,11 +271,35 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, intermediate_size, config):
+    def __init__(
+        self,
+        intermediate_size,
+        config,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ):
         super().__init__()
         embed_dim = config.hidden_size
-        self.c_fc = Conv1D(intermediate_size, embed_dim)
-        self.c_proj = Conv1D(embed_dim, intermediate_size)
+        self.c_fc = conv1d_layout(
+            ColumnParallelLinear(
+                embed_dim,
+                intermediate_size,
+                bias=True,
+                quant_config=quant_config,
+                prefix=f"{prefix}.c_fc",
+                return_bias=False,
+            )
+        )
+        self.c_proj = conv1d_layout(
+            RowParallelLinear(
+                intermediate_size,
+                embed_dim,
+                bias=True,
+                quant_config=quant_config,
+                prefix=f"{prefix}.c_proj",
+                return_bias=False,
+            )
+        )
         self.act = ACT2FN[config.activation_function]
         self.dropout = nn.Dropout(config.resid_pdrop)
 
@@ -259,7 +346,9 @@ class GPT2Block(nn.Module):
                 hidden_size, eps=config.layer_norm_epsilon
             )
 
-        self.mlp = GPT2MLP(inner_dim, config)
+        self.mlp = GPT2MLP(
+            inner_dim, config, quant_config=quant_config, prefix=f"{prefix}.mlp"
+        )
 
     def forward(
         self,

@@ -11,8 +11,7 @@
 #   Unfused: decoder layer (GPTBigCodeBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (GPTBigCodeMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (GPTBigCodeAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
-#   Unfused: tensor parallel (GPTBigCodeMLP): replicated on every rank: c_fc, c_proj (transformers' TP plan has no entry for them)
-#   Unfused: tensor parallel (GPTBigCodeAttention): replicated on every rank: c_attn, q_attn, c_proj (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (GPTBigCodeAttention): replicated: sharded over 2 ranks it fails (ValueError: self.kv_heads = 1 heads, not divisible by 2)
 #   Refused: gate/up projections (GPTBigCodeMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: q/k/v projections (GPTBigCodeAttention): `curr_past_key_values.layers[self.layer_idx].keys` between a projection and attention
 #   Refused: residual add + norm (GPTBigCodeBlock): self.ln_1 is not an RMSNorm
@@ -32,7 +31,11 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -238,7 +241,7 @@ class GPTBigCodeMLP(nn.Module):
     ):
         super().__init__()
         embed_dim = config.hidden_size
-        self.c_fc = ReplicatedLinear(
+        self.c_fc = ColumnParallelLinear(
             embed_dim,
             intermediate_size,
             bias=True,
@@ -246,7 +249,7 @@ class GPTBigCodeMLP(nn.Module):
             prefix=f"{prefix}.c_fc",
             return_bias=False,
         )
-        self.c_proj = ReplicatedLinear(
+        self.c_proj = RowParallelLinear(
             intermediate_size,
             embed_dim,
             bias=True,

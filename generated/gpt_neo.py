@@ -12,8 +12,6 @@
 #   Unfused: module (GPTNeoMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: module (GPTNeoAttention): copied from the source
 #   Unfused: attention (GPTNeoSelfAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=1.0, window=config.window_size if self.attention_type == 'local' else None)
-#   Unfused: tensor parallel (GPTNeoMLP): replicated on every rank: c_fc, c_proj (transformers' TP plan has no entry for them)
-#   Unfused: tensor parallel (GPTNeoSelfAttention): replicated on every rank: k_proj, v_proj, out_proj (transformers' TP plan has no entry for them)
 #   Refused: gate/up projections (GPTNeoMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: residual add + norm (GPTNeoBlock): forward does not end with `return <hidden states>`
 # ======================================================================================
@@ -30,9 +28,9 @@ from transformers.activations import ACT2FN
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -121,7 +119,7 @@ class GPTNeoSelfAttention(nn.Module):
                 f" {self.num_heads})."
             )
 
-        self.k_proj = ReplicatedLinear(
+        self.k_proj = ColumnParallelLinear(
             self.embed_dim,
             self.embed_dim,
             bias=False,
@@ -129,7 +127,7 @@ class GPTNeoSelfAttention(nn.Module):
             prefix=f"{prefix}.k_proj",
             return_bias=False,
         )
-        self.v_proj = ReplicatedLinear(
+        self.v_proj = ColumnParallelLinear(
             self.embed_dim,
             self.embed_dim,
             bias=False,
@@ -137,8 +135,15 @@ class GPTNeoSelfAttention(nn.Module):
             prefix=f"{prefix}.v_proj",
             return_bias=False,
         )
-        self.q_proj = nn.Linear(self.embed_dim, self.embed_dim, bias=False)
-        self.out_proj = ReplicatedLinear(
+        self.q_proj = ColumnParallelLinear(
+            self.embed_dim,
+            self.embed_dim,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.q_proj",
+            return_bias=False,
+        )
+        self.out_proj = RowParallelLinear(
             self.embed_dim,
             self.embed_dim,
             bias=True,
@@ -146,6 +151,13 @@ class GPTNeoSelfAttention(nn.Module):
             prefix=f"{prefix}.out_proj",
             return_bias=False,
         )
+        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
+        # of the heads (the source's reshapes count heads per rank)
+        tp_size = get_tensor_model_parallel_world_size()
+        assert (
+            self.num_heads
+        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
+        self.num_heads = self.num_heads // tp_size
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = config.window_size if self.attention_type == "local" else None
@@ -262,7 +274,7 @@ class GPTNeoMLP(nn.Module):
     ):  # in MLP: intermediate_size= 4 * hidden_size
         super().__init__()
         embed_dim = config.hidden_size
-        self.c_fc = ReplicatedLinear(
+        self.c_fc = ColumnParallelLinear(
             embed_dim,
             intermediate_size,
             bias=True,
@@ -270,7 +282,7 @@ class GPTNeoMLP(nn.Module):
             prefix=f"{prefix}.c_fc",
             return_bias=False,
         )
-        self.c_proj = ReplicatedLinear(
+        self.c_proj = RowParallelLinear(
             intermediate_size,
             embed_dim,
             bias=True,

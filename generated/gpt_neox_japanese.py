@@ -12,8 +12,6 @@
 #   Unfused: decoder layer (GPTNeoXJapaneseLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (GPTNeoXJapaneseMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (GPTNeoXJapaneseAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_size ** -0.5)
-#   Unfused: tensor parallel (GPTNeoXJapaneseMLP): replicated on every rank: dense_h_to_4h, dense_4h_to_h (transformers' TP plan has no entry for them)
-#   Unfused: tensor parallel (GPTNeoXJapaneseAttention): replicated on every rank: query_key_value, dense (transformers' TP plan has no entry for them)
 #   Refused: gate/up projections (GPTNeoXJapaneseMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: rotary embedding (GPTNeoXJapaneseAttention): the class computes attention itself (its core becomes vLLM's attention); vLLM's rope is not applied inside such a class
 #   Refused: residual add + norm (GPTNeoXJapaneseLayer): forward does not end with `return <hidden states>`
@@ -32,9 +30,9 @@ from transformers.activations import ACT2FN
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -205,7 +203,7 @@ class GPTNeoXJapaneseAttention(nn.Module):
         self.attention_dropout = nn.Dropout(config.attention_dropout)
         self.norm_factor = math.sqrt(self.head_size)
 
-        self.query_key_value = ReplicatedLinear(
+        self.query_key_value = ColumnParallelLinear(
             config.hidden_size,
             3 * config.hidden_size,
             bias=False,
@@ -213,7 +211,7 @@ class GPTNeoXJapaneseAttention(nn.Module):
             prefix=f"{prefix}.query_key_value",
             return_bias=False,
         )
-        self.dense = ReplicatedLinear(
+        self.dense = RowParallelLinear(
             config.hidden_size,
             config.hidden_size,
             bias=False,
@@ -226,6 +224,13 @@ class GPTNeoXJapaneseAttention(nn.Module):
         self.dense_bias = (
             nn.Parameter(torch.zeros(config.hidden_size)) if use_bias else None
         )
+        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
+        # of the heads (the source's reshapes count heads per rank)
+        tp_size = get_tensor_model_parallel_world_size()
+        assert (
+            self.num_attention_heads
+        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
+        self.num_attention_heads = self.num_attention_heads // tp_size
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -356,7 +361,7 @@ class GPTNeoXJapaneseMLP(nn.Module):
     ):
         super().__init__()
         intermediate_size = int(config.hidden_size * config.intermediate_multiple_size)
-        self.dense_h_to_4h = ReplicatedLinear(
+        self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size,
             intermediate_size,
             bias=False,
@@ -365,7 +370,7 @@ class GPTNeoXJapaneseMLP(nn.Module):
             return_bias=False,
         )
         # Project back to h.
-        self.dense_4h_to_h = ReplicatedLinear(
+        self.dense_4h_to_h = RowParallelLinear(
             intermediate_size,
             config.hidden_size,
             bias=False,

@@ -20,7 +20,6 @@
 #   Unfused: module (GraniteMoeSWAMoE): copied from the source (no router class matched)
 #   Unfused: module (GraniteMoeSWATopKRouter): copied from the source
 #   Unfused: attention (GraniteMoeSWAAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window, sinks=self.sinks)
-#   Unfused: tensor parallel (GraniteMoeSWAMLP): replicated on every rank: input_linear, output_linear (transformers' TP plan has no entry for them)
 #   Refused: router + experts (GraniteMoeSWAMoE): no router class matched
 #   Refused: gate/up projections (GraniteMoeSWAMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: attention (GraniteMoeSWAAttention): not vLLM's own layout: attention sinks
@@ -45,8 +44,8 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
     QKVParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -331,15 +330,15 @@ class GraniteMoeSWAMLP(nn.Module):
         self.input_size = config.hidden_size
         self.hidden_size = config.shared_intermediate_size
         self.activation = ACT2FN[config.hidden_act]
-        self.input_linear = ReplicatedLinear(
+        self.input_linear = MergedColumnParallelLinear(
             self.input_size,
-            self.hidden_size * 2,
+            [self.hidden_size] * 2,
             bias=False,
             quant_config=quant_config,
             prefix=f"{prefix}.input_linear",
             return_bias=False,
         )
-        self.output_linear = ReplicatedLinear(
+        self.output_linear = RowParallelLinear(
             self.hidden_size,
             self.input_size,
             bias=False,

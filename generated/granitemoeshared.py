@@ -17,7 +17,6 @@
 #   Unfused: module (GraniteMoeSharedMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: module (GraniteMoeSharedMoE): copied from the source (no router class matched)
 #   Unfused: module (GraniteMoeSharedTopKRouter): copied from the source
-#   Unfused: tensor parallel (GraniteMoeSharedMLP): replicated on every rank: input_linear, output_linear (transformers' TP plan has no entry for them)
 #   Refused: router + experts (GraniteMoeSharedMoE): no router class matched
 #   Refused: gate/up projections (GraniteMoeSharedMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: residual add + norm (GraniteMoeSharedDecoderLayer): `moe_hidden_states = self.block_sparse_moe(hidden_states)` is not a sublayer applied to the normed stream
@@ -42,8 +41,8 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
     QKVParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -93,15 +92,15 @@ class GraniteMoeSharedMLP(nn.Module):
         self.input_size = config.hidden_size
         self.hidden_size = config.shared_intermediate_size
         self.activation = ACT2FN[config.hidden_act]
-        self.input_linear = ReplicatedLinear(
+        self.input_linear = MergedColumnParallelLinear(
             self.input_size,
-            self.hidden_size * 2,
+            [self.hidden_size] * 2,
             bias=False,
             quant_config=quant_config,
             prefix=f"{prefix}.input_linear",
             return_bias=False,
         )
-        self.output_linear = ReplicatedLinear(
+        self.output_linear = RowParallelLinear(
             self.hidden_size,
             self.input_size,
             bias=False,

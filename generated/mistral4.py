@@ -22,7 +22,7 @@
 #   Unfused: module (Mistral4MoE): copied from the source (Mistral4MoE as FusedMoE (renormalize=True): the fused form differs (max rel err 7.1e-01 > 1e-05))
 #   Unfused: module (Mistral4TopkRouter): copied from the source
 #   Unfused: attention (Mistral4Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
-#   Unfused: tensor parallel (Mistral4Attention): replicated on every rank: kv_a_proj_with_mqa, kv_b_proj, o_proj (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (Mistral4Attention): replicated on every rank: kv_a_proj_with_mqa (the plan their dataflow gives leaves them whole: the tiny model does not call them, or they are not between two linears of the class)
 #   Refused: router + experts (Mistral4MoE): Mistral4MoE as FusedMoE (renormalize=True): the fused form differs (max rel err 7.1e-01 > 1e-05)
 #   Refused: latent attention (Mistral4Attention): the latent `kv_pass` is not normed once by a proven norm
 #   Refused: q/k/v projections (Mistral4Attention): `torch.cat((q_pass, q_rot), dim=-1) * get_llama_4_attn_scale( position_ids, self.config.rope_parameters.get("llama_4_scaling_beta"), self.config.rope_parameters.get("original_max_position_embeddings"), ).to(torch.cat((q_pass, q_rot), dim=-1).dtype)` between a projection and attention
@@ -40,12 +40,13 @@ from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
@@ -445,7 +446,7 @@ class Mistral4Attention(nn.Module):
             else None
         )
         self.q_b_proj = (
-            ReplicatedLinear(
+            ColumnParallelLinear(
                 self.q_lora_rank,
                 self.num_heads * self.qk_head_dim,
                 bias=False,
@@ -466,7 +467,7 @@ class Mistral4Attention(nn.Module):
             return_bias=False,
         )
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=1e-6)
-        self.kv_b_proj = ReplicatedLinear(
+        self.kv_b_proj = ColumnParallelLinear(
             config.kv_lora_rank,
             self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
             bias=False,
@@ -475,7 +476,7 @@ class Mistral4Attention(nn.Module):
             return_bias=False,
         )
 
-        self.o_proj = ReplicatedLinear(
+        self.o_proj = RowParallelLinear(
             self.num_heads * self.v_head_dim,
             self.hidden_size,
             bias=config.attention_bias,
@@ -487,6 +488,13 @@ class Mistral4Attention(nn.Module):
         self.scaling = yarn_apply_mscale(
             config.rope_parameters, self.qk_head_dim ** (-0.5)
         )
+        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
+        # of the heads (the source's reshapes count heads per rank)
+        tp_size = get_tensor_model_parallel_world_size()
+        assert (
+            config.num_key_value_heads
+        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
+        self.num_heads = self.num_heads // tp_size
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -502,7 +510,7 @@ class Mistral4Attention(nn.Module):
             self.num_heads,
             self.qk_head_dim,
             self.scaling,
-            num_kv_heads=config.num_key_value_heads,
+            num_kv_heads=config.num_key_value_heads // tp_size,
             cache_config=cache_config,
             quant_config=quant_config,
             per_layer_sliding_window=sliding_window,

@@ -14,9 +14,7 @@
 #   Unfused: module (ModernBertDecoderMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (ModernBertDecoderAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
 #   Unfused: module (ModernBertDecoderEmbeddings): copied from the source
-#   Unfused: tensor parallel (ModernBertDecoderPredictionHead): replicated on every rank: dense (transformers' TP plan has no entry for them)
-#   Unfused: tensor parallel (ModernBertDecoderMLP): replicated on every rank: Wi, Wo (transformers' TP plan has no entry for them)
-#   Unfused: tensor parallel (ModernBertDecoderAttention): replicated on every rank: q_proj, k_proj, v_proj, Wo (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (ModernBertDecoderPredictionHead): replicated on every rank: dense (transformers' TP plan has no entry for them, and their dataflow gives none: no linear feeds another on the way to its output)
 #   Refused: gate/up projections (ModernBertDecoderMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: q/k/v projections (ModernBertDecoderAttention): output size `self.all_head_size` is not `<heads> * self.<head_dim>`
 #   Refused: residual add + norm (ModernBertDecoderLayer): self.attn_norm is not an RMSNorm
@@ -34,9 +32,14 @@ from transformers.activations import ACT2FN
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -121,9 +124,9 @@ class ModernBertDecoderMLP(nn.Module):
     ):
         super().__init__()
         self.config = config
-        self.Wi = ReplicatedLinear(
+        self.Wi = MergedColumnParallelLinear(
             config.hidden_size,
-            int(config.intermediate_size) * 2,
+            [int(config.intermediate_size)] * 2,
             bias=config.mlp_bias,
             quant_config=quant_config,
             prefix=f"{prefix}.Wi",
@@ -131,7 +134,7 @@ class ModernBertDecoderMLP(nn.Module):
         )
         self.act = ACT2FN[config.hidden_activation]
         self.drop = nn.Dropout(config.mlp_dropout)
-        self.Wo = ReplicatedLinear(
+        self.Wo = RowParallelLinear(
             config.intermediate_size,
             config.hidden_size,
             bias=config.mlp_bias,
@@ -175,7 +178,7 @@ class ModernBertDecoderAttention(nn.Module):
             )
 
         # NOTE: this is different than ModernBERT (separated QKV) so be sure to adapt to this
-        self.q_proj = ReplicatedLinear(
+        self.q_proj = ColumnParallelLinear(
             self.config.hidden_size,
             self.all_head_size,
             bias=self.config.attention_bias,
@@ -183,7 +186,7 @@ class ModernBertDecoderAttention(nn.Module):
             prefix=f"{prefix}.q_proj",
             return_bias=False,
         )
-        self.k_proj = ReplicatedLinear(
+        self.k_proj = ColumnParallelLinear(
             self.config.hidden_size,
             self.all_head_size,
             bias=self.config.attention_bias,
@@ -191,7 +194,7 @@ class ModernBertDecoderAttention(nn.Module):
             prefix=f"{prefix}.k_proj",
             return_bias=False,
         )
-        self.v_proj = ReplicatedLinear(
+        self.v_proj = ColumnParallelLinear(
             self.config.hidden_size,
             self.all_head_size,
             bias=self.config.attention_bias,
@@ -200,7 +203,7 @@ class ModernBertDecoderAttention(nn.Module):
             return_bias=False,
         )
 
-        self.Wo = ReplicatedLinear(
+        self.Wo = RowParallelLinear(
             config.hidden_size,
             config.hidden_size,
             bias=config.attention_bias,
@@ -221,6 +224,13 @@ class ModernBertDecoderAttention(nn.Module):
             is_neox_style=True,
             rope_parameters=config.rope_parameters[config.layer_types[layer_idx]],
         )
+        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
+        # of the heads (the source's reshapes count heads per rank)
+        tp_size = get_tensor_model_parallel_world_size()
+        assert (
+            self.num_heads
+        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
+        self.num_heads = self.num_heads // tp_size
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = self.sliding_window

@@ -11,8 +11,7 @@
 #   Unfused: decoder layer (MptBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (MptMLP): copied from the source
 #   Unfused: attention (MptAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5, alibi=alibi_slopes(self.n_heads))
-#   Unfused: tensor parallel (MptMLP): replicated on every rank: up_proj, down_proj (transformers' TP plan has no entry for them)
-#   Unfused: tensor parallel (MptAttention): replicated on every rank: Wqkv, out_proj (transformers' TP plan has no entry for them)
+#   Unfused: tensor parallel (MptAttention): replicated: sharded over 2 ranks it fails (RuntimeError: The size of tensor a (2) must match the size of tensor b (4) at non-singleton dimension 1)
 #   Refused: residual add + norm (MptBlock): forward does not end with `return <hidden states>`
 # ======================================================================================
 """Native vLLM implementation of MptForCausalLM, generated from transformers/models/mpt/modeling_mpt.py."""
@@ -29,7 +28,11 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -229,7 +232,7 @@ class MptMLP(nn.Module):
         super().__init__()
         hidden_size = config.hidden_size
 
-        self.up_proj = ReplicatedLinear(
+        self.up_proj = ColumnParallelLinear(
             hidden_size,
             4 * hidden_size,
             bias=False,
@@ -238,7 +241,7 @@ class MptMLP(nn.Module):
             return_bias=False,
         )
         self.act = nn.GELU(approximate="none")
-        self.down_proj = ReplicatedLinear(
+        self.down_proj = RowParallelLinear(
             4 * hidden_size,
             hidden_size,
             bias=False,

@@ -24,8 +24,13 @@ from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention as VllmAttention
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -49,7 +54,6 @@ from vllm.sequence import IntermediateTensors
 
 from transformers.activations import gelu_new
 from transformers.activations import silu
-from transformers.pytorch_utils import Conv1D
 
 
 def vllm_attention_heads(
@@ -75,6 +79,16 @@ def vllm_attention_heads(
     ]
     out = attn(*flat)
     return out.view(tokens, -1, query.shape[-1])[..., :size_v].transpose(0, 1)[None]
+
+
+def conv1d_layout(layer: nn.Module) -> nn.Module:
+    """transformers' `Conv1D` is a linear that stores its weight as [in, out]: vLLM's
+    linear loads the checkpoint's tensor transposed."""
+    load = layer.weight.weight_loader
+    layer.weight.weight_loader = lambda param, weight, *args: load(
+        param, weight.t(), *args
+    )
+    return layer
 
 
 ACT_FNS = {"relu": nn.ReLU(), "silu": silu, "gelu": gelu_new, "swish": silu}
@@ -107,10 +121,35 @@ class Attention(nn.Module):
         self.split_size = n_state
         self.scale = scale
 
-        self.c_attn = Conv1D(n_state * 3, nx)
-        self.c_proj = Conv1D(n_state, nx)
+        self.c_attn = conv1d_layout(
+            MergedColumnParallelLinear(
+                nx,
+                [n_state] * 3,
+                bias=True,
+                quant_config=quant_config,
+                prefix=f"{prefix}.c_attn",
+                return_bias=False,
+            )
+        )
+        self.c_proj = conv1d_layout(
+            RowParallelLinear(
+                nx,
+                n_state,
+                bias=True,
+                quant_config=quant_config,
+                prefix=f"{prefix}.c_proj",
+                return_bias=False,
+            )
+        )
         self.attn_dropout = nn.Dropout(config.attn_pdrop)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
+        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
+        # of the heads (the source's reshapes count heads per rank)
+        tp_size = get_tensor_model_parallel_world_size()
+        assert (
+            self.n_head
+        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
+        self.n_head = self.n_head // tp_size
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -132,6 +171,9 @@ class Attention(nn.Module):
             per_layer_sliding_window=sliding_window,
             prefix=f"{prefix}.attn",
         )
+        # tensor parallel: the source's reshapes count this rank's width
+        tp_size = get_tensor_model_parallel_world_size()
+        self.split_size = self.split_size // tp_size
 
     def merge_heads(self, x):
         x = x.permute(0, 2, 1, 3).contiguous()
@@ -167,11 +209,35 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, n_state, config):  # in MLP: n_state=3072 (4 * n_embd)
+    def __init__(
+        self,
+        n_state,
+        config,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ):  # in MLP: n_state=3072 (4 * n_embd)
         super().__init__()
         nx = config.n_embd
-        self.c_fc = Conv1D(n_state, nx)
-        self.c_proj = Conv1D(nx, n_state)
+        self.c_fc = conv1d_layout(
+            ColumnParallelLinear(
+                nx,
+                n_state,
+                bias=True,
+                quant_config=quant_config,
+                prefix=f"{prefix}.c_fc",
+                return_bias=False,
+            )
+        )
+        self.c_proj = conv1d_layout(
+            RowParallelLinear(
+                n_state,
+                nx,
+                bias=True,
+                quant_config=quant_config,
+                prefix=f"{prefix}.c_proj",
+                return_bias=False,
+            )
+        )
         self.act = ACT_FNS[config.afn]
         self.dropout = nn.Dropout(config.resid_pdrop)
 
@@ -201,7 +267,9 @@ class Block(nn.Module):
             prefix=f"{prefix}.attn",
         )
         self.ln_1 = nn.LayerNorm(nx, eps=config.layer_norm_epsilon)
-        self.mlp = MLP(4 * nx, config)
+        self.mlp = MLP(
+            4 * nx, config, quant_config=quant_config, prefix=f"{prefix}.mlp"
+        )
         self.ln_2 = nn.LayerNorm(nx, eps=config.layer_norm_epsilon)
 
     def forward(self, x, attention_mask=None, output_attentions=False):

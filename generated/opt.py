@@ -11,8 +11,6 @@
 #   Unfused: decoder layer (OPTDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (OPTAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=1.0)
 #   Unfused: module (OPTLearnedPositionalEmbedding): copied from the source
-#   Unfused: tensor parallel (OPTDecoderLayer): replicated on every rank: fc1, fc2 (transformers' TP plan has no entry for them)
-#   Unfused: tensor parallel (OPTAttention): replicated on every rank: k_proj, v_proj, q_proj, out_proj (transformers' TP plan has no entry for them)
 #   Refused: q/k/v projections (OPTAttention): `self.q_proj(hidden_states) * self.scaling` between a projection and attention
 #   Refused: residual add + norm (OPTDecoderLayer): `# 125m, 1.7B, ..., 175B applies layer norm BEFORE attention` is not a norm of the saved stream
 # ======================================================================================
@@ -29,9 +27,13 @@ from transformers.activations import ACT2FN
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -138,7 +140,7 @@ class OPTAttention(nn.Module):
             )
         self.scaling = self.head_dim**-0.5
 
-        self.k_proj = ReplicatedLinear(
+        self.k_proj = ColumnParallelLinear(
             self.embed_dim,
             self.embed_dim,
             bias=self.enable_bias,
@@ -146,7 +148,7 @@ class OPTAttention(nn.Module):
             prefix=f"{prefix}.k_proj",
             return_bias=False,
         )
-        self.v_proj = ReplicatedLinear(
+        self.v_proj = ColumnParallelLinear(
             self.embed_dim,
             self.embed_dim,
             bias=self.enable_bias,
@@ -154,7 +156,7 @@ class OPTAttention(nn.Module):
             prefix=f"{prefix}.v_proj",
             return_bias=False,
         )
-        self.q_proj = ReplicatedLinear(
+        self.q_proj = ColumnParallelLinear(
             self.embed_dim,
             self.embed_dim,
             bias=self.enable_bias,
@@ -162,7 +164,7 @@ class OPTAttention(nn.Module):
             prefix=f"{prefix}.q_proj",
             return_bias=False,
         )
-        self.out_proj = ReplicatedLinear(
+        self.out_proj = RowParallelLinear(
             self.embed_dim,
             self.embed_dim,
             bias=self.enable_bias,
@@ -170,6 +172,13 @@ class OPTAttention(nn.Module):
             prefix=f"{prefix}.out_proj",
             return_bias=False,
         )
+        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
+        # of the heads (the source's reshapes count heads per rank)
+        tp_size = get_tensor_model_parallel_world_size()
+        assert (
+            self.num_heads
+        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
+        self.num_heads = self.num_heads // tp_size
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -255,7 +264,7 @@ class OPTDecoderLayer(nn.Module):
         self.self_attn_layer_norm = nn.LayerNorm(
             self.embed_dim, elementwise_affine=config.layer_norm_elementwise_affine
         )
-        self.fc1 = ReplicatedLinear(
+        self.fc1 = ColumnParallelLinear(
             self.embed_dim,
             config.ffn_dim,
             bias=config.enable_bias,
@@ -263,7 +272,7 @@ class OPTDecoderLayer(nn.Module):
             prefix=f"{prefix}.fc1",
             return_bias=False,
         )
-        self.fc2 = ReplicatedLinear(
+        self.fc2 = RowParallelLinear(
             config.ffn_dim,
             self.embed_dim,
             bias=config.enable_bias,

@@ -12,8 +12,6 @@
 #   Unfused: decoder layer (PersimmonDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (PersimmonMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (PersimmonAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
-#   Unfused: tensor parallel (PersimmonMLP): replicated on every rank: dense_h_to_4h, dense_4h_to_h (transformers' TP plan has no entry for them)
-#   Unfused: tensor parallel (PersimmonAttention): replicated on every rank: query_key_value, dense (transformers' TP plan has no entry for them)
 #   Refused: gate/up projections (PersimmonMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: q/k/v projections (PersimmonAttention): query_states is assigned twice
 #   Refused: residual add + norm (PersimmonDecoderLayer): self.input_layernorm is not an RMSNorm
@@ -31,9 +29,9 @@ from transformers.activations import ACT2FN
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -84,7 +82,7 @@ class PersimmonMLP(nn.Module):
         self, config, quant_config: QuantizationConfig | None = None, prefix: str = ""
     ):
         super().__init__()
-        self.dense_h_to_4h = ReplicatedLinear(
+        self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size,
             config.intermediate_size,
             bias=True,
@@ -92,7 +90,7 @@ class PersimmonMLP(nn.Module):
             prefix=f"{prefix}.dense_h_to_4h",
             return_bias=False,
         )
-        self.dense_4h_to_h = ReplicatedLinear(
+        self.dense_4h_to_h = RowParallelLinear(
             config.intermediate_size,
             config.hidden_size,
             bias=True,
@@ -143,7 +141,7 @@ class PersimmonAttention(nn.Module):
                 f"hidden_size must be divisible by num_heads (got `hidden_size`: {self.hidden_size}"
                 f" and `num_heads`: {self.num_heads})."
             )
-        self.query_key_value = ReplicatedLinear(
+        self.query_key_value = ColumnParallelLinear(
             self.hidden_size,
             3 * self.hidden_size,
             bias=True,
@@ -151,7 +149,7 @@ class PersimmonAttention(nn.Module):
             prefix=f"{prefix}.query_key_value",
             return_bias=False,
         )
-        self.dense = ReplicatedLinear(
+        self.dense = RowParallelLinear(
             self.num_heads * self.head_dim,
             self.hidden_size,
             bias=True,
@@ -180,6 +178,13 @@ class PersimmonAttention(nn.Module):
             is_neox_style=True,
             rope_parameters={**config.rope_parameters, "rope_dim": self.rotary_ndims},
         )
+        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
+        # of the heads (the source's reshapes count heads per rank)
+        tp_size = get_tensor_model_parallel_world_size()
+        assert (
+            self.num_heads
+        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
+        self.num_heads = self.num_heads // tp_size
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None

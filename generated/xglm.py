@@ -12,8 +12,6 @@
 #   Unfused: attention (XGLMAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=1.0)
 #   Unfused: module (XGLMSinusoidalPositionalEmbedding): copied from the source
 #   Kept: embedding (XGLMScaledWordEmbedding): copied from the source onto VocabParallelEmbedding (sharded over the vocabulary as vLLM's own)
-#   Unfused: tensor parallel (XGLMDecoderLayer): replicated on every rank: fc1, fc2 (transformers' TP plan has no entry for them)
-#   Unfused: tensor parallel (XGLMAttention): replicated on every rank: k_proj, v_proj, q_proj, out_proj (transformers' TP plan has no entry for them)
 #   Refused: residual add + norm (XGLMDecoderLayer): self.self_attn_layer_norm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of XGLMForCausalLM, generated from transformers/models/xglm/modeling_xglm.py."""
@@ -30,9 +28,9 @@ from transformers.activations import ACT2FN
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -204,7 +202,7 @@ class XGLMAttention(nn.Module):
         self.is_decoder = is_decoder
         self.layer_idx = layer_idx
 
-        self.k_proj = ReplicatedLinear(
+        self.k_proj = ColumnParallelLinear(
             embed_dim,
             embed_dim,
             bias=bias,
@@ -212,7 +210,7 @@ class XGLMAttention(nn.Module):
             prefix=f"{prefix}.k_proj",
             return_bias=False,
         )
-        self.v_proj = ReplicatedLinear(
+        self.v_proj = ColumnParallelLinear(
             embed_dim,
             embed_dim,
             bias=bias,
@@ -220,7 +218,7 @@ class XGLMAttention(nn.Module):
             prefix=f"{prefix}.v_proj",
             return_bias=False,
         )
-        self.q_proj = ReplicatedLinear(
+        self.q_proj = ColumnParallelLinear(
             embed_dim,
             embed_dim,
             bias=bias,
@@ -228,7 +226,7 @@ class XGLMAttention(nn.Module):
             prefix=f"{prefix}.q_proj",
             return_bias=False,
         )
-        self.out_proj = ReplicatedLinear(
+        self.out_proj = RowParallelLinear(
             embed_dim,
             embed_dim,
             bias=bias,
@@ -236,6 +234,13 @@ class XGLMAttention(nn.Module):
             prefix=f"{prefix}.out_proj",
             return_bias=False,
         )
+        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
+        # of the heads (the source's reshapes count heads per rank)
+        tp_size = get_tensor_model_parallel_world_size()
+        assert (
+            self.num_heads
+        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
+        self.num_heads = self.num_heads // tp_size
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -257,6 +262,9 @@ class XGLMAttention(nn.Module):
             per_layer_sliding_window=sliding_window,
             prefix=f"{prefix}.attn",
         )
+        # tensor parallel: the source's reshapes count this rank's width
+        tp_size = get_tensor_model_parallel_world_size()
+        self.embed_dim = self.embed_dim // tp_size
 
     def forward(
         self,
@@ -350,7 +358,7 @@ class XGLMDecoderLayer(nn.Module):
             self.encoder_attn_layer_norm = nn.LayerNorm(self.embed_dim)
 
         self.self_attn_layer_norm = nn.LayerNorm(self.embed_dim)
-        self.fc1 = ReplicatedLinear(
+        self.fc1 = ColumnParallelLinear(
             self.embed_dim,
             config.ffn_dim,
             bias=True,
@@ -358,7 +366,7 @@ class XGLMDecoderLayer(nn.Module):
             prefix=f"{prefix}.fc1",
             return_bias=False,
         )
-        self.fc2 = ReplicatedLinear(
+        self.fc2 = RowParallelLinear(
             config.ffn_dim,
             self.embed_dim,
             bias=True,

@@ -12,6 +12,7 @@ from fusion_patterns.mla import vllm_assumes_mla
 
 from ..copying import Copied, Unfused
 from ..copying import eager_attention, vllm_attention
+from ..copying.classes import CONV1D_HELPER
 from ..copying.definitions import Definitions, closure, copied_text
 from ..plan import Plan
 from . import compile, dead_code, weights
@@ -84,7 +85,7 @@ def assemble(model: Model, copied: Copied, defs: Definitions, plan: Plan) -> Ass
     plan.unfused[:] = [u for u in plan.unfused if u.source_class not in removed]
     order = list(classes)
     body = "\n\n".join(pieces[n] for n in sorted(pieces, key=order.index))
-    helper = _helpers(ctx)
+    helper = _helpers(ctx, pieces)
     body = helper + "\n\n" + body
     # the classes this file defines; a claimed class (a norm whose constructions are
     # vLLM's) is imported from vLLM even where the source names its own alike
@@ -144,8 +145,8 @@ def _bound_by(imports: str) -> set[str]:
     return out
 
 
-def _helpers(ctx) -> str:
-    """Module-level helpers the copied attentions call."""
+def _helpers(ctx, pieces: dict[str, str]) -> str:
+    """Module-level helpers the copied classes call."""
     specs = ctx.attention.values()
     helper = (
         vllm_attention.VLLM_ATTENTION_HELPER
@@ -158,6 +159,8 @@ def _helpers(ctx) -> str:
     for name, text in eager_attention.ALIBI_HELPERS.items():
         if any(sp.alibi and f"{name}(" in sp.alibi for sp in specs):
             helper += text
+    if any("conv1d_layout(" in text for text in pieces.values()):
+        helper += CONV1D_HELPER
     return helper
 
 

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING
 from dataclasses import dataclass, field
 
 from fusion_patterns.base import CLASS, CONSTRUCTION, REWRITE, Claim
-from fusion_patterns.sharding import prove as prove_sharded
+from fusion_patterns import sharding
 
 from ..errors import CodemodError
 from . import positions
-from .classes import Context, kept_linears, prefix_classes, rewrite_class
+from .classes import CONV1D, LINEARS, Context, kept_linears, prefix_classes
+from .classes import rewrite_class
 from .definitions import Definitions
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def _claims(model: Model, cls: str, *kinds: str) -> list[Claim]:
 
 def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> Copied:
     roles, classes = model.roles, model.classes
-    styles, tp_notes = _tp_styles(model)
+    styles, tp_notes, no_plan, divided = _tp_styles(model)
     whole = {c.class_name: c for c in model.claims if c.kind == CLASS}
     constructions = {c.class_name: c for c in model.claims if c.kind == CONSTRUCTION}
     emitted = [
@@ -79,11 +80,12 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
         | rebased,
         attention={n: s for n, s in roles.attention.items() if n not in whole},
         styles=styles,
+        divided=divided,
         kept_linears=model.kept_linears,
         sharded_attention={
             n
             for n in roles.attention
-            if any(s == "colwise" for s in styles.get(n, {}).values())
+            if any(sharding.is_column(s) for s in styles.get(n, {}).values())
         },
         mask_functions=mask_functions,
         built=roles.built,
@@ -132,12 +134,22 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
         unfused=unfused
         + tp_notes
         + _replicated(
-            {n: t for n, t in pieces.items() if n not in whole}, tp_notes, model
+            {n: t for n, t in pieces.items() if n not in whole},
+            tp_notes,
+            model,
+            no_plan,
+            styles,
         ),
     )
 
 
-def _replicated(pieces: dict[str, str], noted: list[Unfused], model) -> list[Unfused]:
+def _replicated(
+    pieces: dict[str, str],
+    noted: list[Unfused],
+    model,
+    no_plan: dict[str, str],
+    styles: dict[str, dict[str, str]],
+) -> list[Unfused]:
     """A copied class whose linears every rank holds whole is a slow path under TP, and
     is said so, unless `_tp_styles` already gave the reason its plan was not taken (a
     class a pattern emitted whole is sharded as vLLM's own file shards it).
@@ -147,13 +159,27 @@ def _replicated(pieces: dict[str, str], noted: list[Unfused], model) -> list[Unf
     said = {u.source_class for u in noted}
     out = []
     for n, text in pieces.items():
-        attrs = re.findall(r"self\.(\w+) = ReplicatedLinear\(", text)
+        attrs = re.findall(
+            r"self\.(\w+) = (?:conv1d_layout\()?ReplicatedLinear\(", text
+        )
         if attrs and n not in said:
-            why = (
-                "transformers' TP plan has no entry for them"
-                if not model.tp_plan.get(n)
-                else "transformers' TP plan leaves them whole"
-            )
+            if model.tp_plan.get(n):
+                why = "transformers' TP plan leaves them whole"
+            elif n in no_plan or model.first(n) is None:
+                why = (
+                    "transformers' TP plan has no entry for them, and their dataflow "
+                    f"gives none: {no_plan.get(n, 'the tiny model never builds it')}"
+                )
+            elif set(attrs) & set(styles.get(n, {})):
+                why = (
+                    "built so in a branch the tiny model does not take (the proven "
+                    "construction of the same layer is sharded)"
+                )
+            else:
+                why = (
+                    "the plan their dataflow gives leaves them whole: the tiny model "
+                    "does not call them, or they are not between two linears of the class"
+                )
             out.append(
                 Unfused(
                     n,
@@ -164,34 +190,89 @@ def _replicated(pieces: dict[str, str], noted: list[Unfused], model) -> list[Unf
     return out
 
 
-def _tp_styles(model: Model) -> tuple[dict[str, dict[str, str]], list[Unfused]]:
-    """{class: {linear: style}}: the claims' own, and transformers' plan where sharding
-    the class over two simulated ranks is proven; a class that fails stays replicated,
-    with a report line."""
+def _own(attrs: list[str], text: str) -> list[str]:
+    """The attributes only their own class reads: one another module reads
+    (`self.self_attn.embed_dim`) would see this rank's width where the proof of that
+    module never looked, so dividing it is not proven."""
+    import re
+
+    return [
+        a for a in attrs if not re.search(rf"\b(?!self\b|config\b)\w+\.{a}\b", text)
+    ]
+
+
+def _not_vllm_linears(model: Model, cls: str, plan: dict[str, str]) -> str:
+    """The sharded layers of `plan` that the copy does not build as vLLM linears (a
+    subclass of nn.Linear with its own forward, a linear read as weights), as text."""
+    info = model.classes[cls]
+    built = {a: info.constructed_classes(a) for a in plan if plan[a] != "replicate"}
+    return ", ".join(
+        f"self.{a} ({', '.join(b) or 'no construction'})"
+        for a, b in built.items()
+        if not b or not set(b) <= {*LINEARS, CONV1D} or a in model.kept_linears
+    )
+
+
+def _tp_styles(
+    model: Model,
+) -> tuple[
+    dict[str, dict[str, str]], list[Unfused], dict[str, str], dict[str, list[str]]
+]:
+    """{class: {linear: style}}: the claims' own, and for every other copied class with
+    linears transformers' plan (or, where it has no entry, the plan its dataflow gives)
+    where sharding the class over two simulated ranks is proven; a class that fails
+    stays replicated, with a report line. Also {class: why its dataflow gives no plan}
+    and {class: its attributes counting a sharded width, divided over the ranks}."""
     fixed = {c.class_name: c.styles for c in model.claims if c.styles}
     styles: dict[str, dict[str, str]] = dict(fixed)
     notes: list[Unfused] = []
-    for n, plan in model.tp_plan.items():
-        if n in fixed or not plan or model.claimed_whole(n):
+    no_plan: dict[str, str] = {}
+    divided: dict[str, list[str]] = {}
+    skip = {model.roles.causal.name, model.roles.base.name}
+    for n in model.roles.wanted:
+        if n in fixed or n in skip or model.claimed_whole(n):
             continue
         inst = model.first(n)
-        spec = model.roles.attention.get(n)
-        why = (
-            prove_sharded(
-                inst,
-                plan,
-                spec.head_attrs if spec else [],
-                model.call(inst),
-                spec.sinks if spec else None,
+        if inst is None:
+            continue
+        call = model.call(inst)
+        inst = sharding.as_linears(inst)  # Conv1D: the linear the file builds
+        plan = model.tp_plan.get(n)
+        if not plan:
+            plan = sharding.derive(inst, call, model.kept_linears)
+            if isinstance(plan, str):
+                no_plan[n] = plan  # its linears, if any, are reported replicated
+                continue
+        if stays := _not_vllm_linears(model, n, plan):
+            notes.append(
+                Unfused(
+                    n,
+                    "tensor parallel",
+                    f"replicated: {stays} the file keeps as the source builds it, "
+                    "not a vLLM linear it can shard",
+                )
             )
-            if inst is not None
-            else "no instance in the tiny model"
-        )
+            continue
+        spec = model.roles.attention.get(n)
+        heads = spec.head_attrs if spec else []
+        sinks = spec.sinks if spec else None
+        why = None
+        for option in sharding.candidates(inst, plan):
+            failed = sharding.prove(inst, option, heads, call, sinks)
+            wide = _own(sharding.widths(inst, option, heads), model.source.text)
+            if failed is not None and wide:
+                # the class counts a sharded width whole: this rank's share, if proven
+                if sharding.prove(inst, option, heads + wide, call, sinks) is None:
+                    failed, divided[n] = None, wide
+            if failed is None:
+                why, plan = None, option
+                break
+            why = why or failed
         if why is None:
             styles[n] = plan
         else:
             notes.append(Unfused(n, "tensor parallel", f"replicated: {why}"))
-    return styles, notes
+    return styles, notes, no_plan, divided
 
 
 def _need_positions(model: Model) -> set[str]:

@@ -27,6 +27,7 @@ from fusion_patterns.base import (
     linear_args,
 )
 from fusion_patterns.emitting import with_keyword
+from fusion_patterns.sharding import PACKED
 
 from ..errors import CodemodError
 from ..attention_calls import interface_name
@@ -37,6 +38,16 @@ from .eager_attention import CoreRewrite
 from .inference import clean_signature, inference_folded, is_docstring
 
 LINEARS = ("nn.Linear", "torch.nn.Linear")
+# transformers' `Conv1D(nf, nx)` (GPT-2): a linear storing its weight [in, out]
+CONV1D = "Conv1D"
+CONV1D_HELPER = '''
+def conv1d_layout(layer: nn.Module) -> nn.Module:
+    """transformers' `Conv1D` is a linear that stores its weight as [in, out]: vLLM's
+    linear loads the checkpoint's tensor transposed."""
+    load = layer.weight.weight_loader
+    layer.weight.weight_loader = lambda param, weight, *args: load(param, weight.t(), *args)
+    return layer
+'''
 EMBEDDINGS = ("nn.Embedding", "torch.nn.Embedding")
 # transformers bases that are plain modules at inference
 PLAIN_BASES = {"GradientCheckpointingLayer", "nn.Module", "torch.nn.Module"}
@@ -61,6 +72,9 @@ class Context:
     attention: dict[str, AttentionSpec]  # copied attentions -> their vLLM Attention
     # class -> attr -> TP style; a linear not in here is replicated
     styles: dict[str, dict[str, str]] = field(default_factory=dict)
+    # class -> its attributes counting a sharded width (`self.embed_dim`), divided
+    # over the TP ranks at the end of `__init__`
+    divided: dict[str, list[str]] = field(default_factory=dict)
     # linear attributes read as `.weight`/`.bias`: kept as nn.Linear
     kept_linears: set[str] = field(default_factory=set)
     # class -> attrs whose head count is divided over the TP ranks
@@ -83,12 +97,18 @@ class Context:
     positions: set[str] = field(default_factory=set)
 
 
-def kept_linears(module: cst.Module, classes: dict[str, ClassInfo]) -> set[str]:
-    """Attribute names whose `.weight` or `.bias` the source reads somewhere (outside the
-    PreTrainedModel classes, whose weight init is not copied)."""
+def kept_linears(
+    module: cst.Module, classes: dict[str, ClassInfo], wanted=None
+) -> set[str]:
+    """Attribute names whose `.weight` or `.bias` the source reads somewhere it is
+    copied from (not the PreTrainedModel classes, whose weight init is not copied, nor
+    a class the generated file does not hold, such as a flash-attention variant)."""
     out = set()
     for node in module.body:
-        if isinstance(node, cst.ClassDef) and _is_pretrained(node, classes):
+        if isinstance(node, cst.ClassDef) and (
+            _is_pretrained(node, classes)
+            or (wanted is not None and node.name.value not in wanted)
+        ):
             continue
         for attr in m.findall(
             node,
@@ -115,13 +135,17 @@ def _is_pretrained(node: cst.ClassDef, classes) -> bool:
     return False
 
 
-def builds_vllm_layers(info: ClassInfo, ctx_norms, fused: set[str], attention) -> bool:
+def builds_vllm_layers(info: ClassInfo, classes, fused: set[str], attention) -> bool:
     if info.name in fused or info.name in attention:
         return True
     return bool(
         info.init
         and (
             m.findall(info.init, m.Call(func=_LINEAR_FUNC))
+            or (
+                CONV1D not in classes  # transformers' Conv1D: a vLLM linear here
+                and m.findall(info.init, m.Call(func=m.Name(CONV1D)))
+            )
             or any(
                 "vocab_size" in code(c.args[0].value)
                 for c in m.findall(info.init, m.Call(func=_EMBEDDING_FUNC))
@@ -146,7 +170,9 @@ def prefix_classes(
 ) -> set[str]:
     """Classes that hold vLLM layers, directly or through the classes they build: they
     take `quant_config` and `prefix`, and every construction of them passes both."""
-    out = {n for n in wanted if builds_vllm_layers(classes[n], None, fused, attention)}
+    out = {
+        n for n in wanted if builds_vllm_layers(classes[n], classes, fused, attention)
+    }
     changed = True
     while changed:
         changed = False
@@ -238,6 +264,8 @@ class _InitRewrite(cst.CSTTransformer):
             return updated
         if func in LINEARS:
             return self._linear(updated, path)
+        if func == CONV1D and CONV1D not in self.ctx.classes:
+            return self._linear(updated, path, conv1d=True)
         if func in EMBEDDINGS and path is not None:
             args = [a.value for a in updated.args if a.keyword is None]
             kw = {a.keyword.value: a.value for a in updated.args if a.keyword}
@@ -270,23 +298,57 @@ class _InitRewrite(cst.CSTTransformer):
             return updated.with_changes(args=[*args, *extra])
         return updated
 
-    def _linear(self, call: cst.Call, path: str | None) -> cst.BaseExpression:
+    def _linear(
+        self, call: cst.Call, path: str | None, conv1d: bool = False
+    ) -> cst.BaseExpression:
         attr = path if path and "." not in path else None
         keywords = {a.keyword.value for a in call.args if a.keyword is not None}
+        positional = [a.value for a in call.args if a.keyword is None]
         if (
-            keywords - {"in_features", "out_features", "bias"}
+            (keywords - {"in_features", "out_features", "bias"})
+            or (conv1d and (keywords or len(positional) != 2))
             or (attr or "") in self.ctx.kept_linears
             or path is None
         ):
             return call  # device/dtype arguments or read as a weight: plain torch
-        in_size, out_size, bias = linear_args(call)
+        if conv1d:  # Conv1D(nf, nx): nx inputs, nf outputs, a bias
+            out_size, in_size = positional
+            bias = cst.Name("True")
+        else:
+            in_size, out_size, bias = linear_args(call)
         style = self.ctx.styles.get(self.info.name, {}).get(attr or "", "replicate")
-        cls, extra = STYLES.get(style, STYLES["replicate"])
+        outs = code(out_size)
+        part = _part(out_size, style)
+        if part is not None:  # `3 * width` split in three: vLLM's merged linear
+            cls, extra = "MergedColumnParallelLinear", ""
+            outs = f"[{part}] * {style.removeprefix(PACKED)}"
+        else:  # another construction of a packed attr than the one proven: whole
+            style = "replicate" if style.startswith(PACKED) else style
+            cls, extra = STYLES.get(style, STYLES["replicate"])
         text = (
-            f"{cls}({code(in_size)}, {code(out_size)}, bias={code(bias)}, {extra}"
+            f"{cls}({code(in_size)}, {outs}, bias={code(bias)}, {extra}"
             f'quant_config=quant_config, prefix=f"{{prefix}}.{path}", return_bias=False)'
         )
+        if conv1d:
+            text = f"conv1d_layout({text})"
         return cst.parse_expression(text)
+
+
+def _part(out_size: cst.BaseExpression, style: str) -> str | None:
+    """`width` of a packed linear's `N * width` outputs, N its parts; else None."""
+    if not style.startswith(PACKED):
+        return None
+    parts = style.removeprefix(PACKED)
+    if isinstance(out_size, cst.BinaryOperation) and isinstance(
+        out_size.operator, cst.Multiply
+    ):
+        for count, width in (
+            (out_size.left, out_size.right),
+            (out_size.right, out_size.left),
+        ):
+            if isinstance(count, cst.Integer) and count.value == parts:
+                return code(width)
+    return None
 
 
 def _holds_attention(cls: str, ctx: Context) -> bool:
@@ -434,13 +496,25 @@ def _rewrite_init(
             ctx.attention_name,
             ctx.merged_heads.get(info.name),
         )
-        block = cst.parse_statement(
-            "if True:\n" + "\n".join("    " + line for line in lines) + "\n"
+        body = _append(body, lines)
+    if ctx.divided.get(info.name):
+        body = _append(
+            body,
+            [
+                "# tensor parallel: the source's reshapes count this rank's width",
+                "tp_size = get_tensor_model_parallel_world_size()",
+                *(f"self.{a} = self.{a} // tp_size" for a in ctx.divided[info.name]),
+            ],
         )
-        extra = list(block.body.body)
-        body = body.with_changes(body=[*body.body, *extra])
     body = body.with_changes(body=[s for s in body.body if not is_docstring(s)])
     return func.with_changes(body=body)
+
+
+def _append(body: cst.IndentedBlock, lines: list[str]) -> cst.IndentedBlock:
+    block = cst.parse_statement(
+        "if True:\n" + "\n".join("    " + line for line in lines) + "\n"
+    )
+    return body.with_changes(body=[*body.body, *block.body.body])
 
 
 def _called_attrs(node: cst.ClassDef) -> set[str]:
