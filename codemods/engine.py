@@ -14,12 +14,47 @@ class EngineResult:
     logprobs: list[list[float]]
     # what vLLM logged about fusions while building the model (Transformers backend)
     fused: list[str] = None
+    # per rank: bytes of its parameters outside the embeddings and the head
+    rank_bytes: list[int] = None
 
 
 def model_class_name(model) -> str:
     """Module-level, so vLLM can ship it to worker processes."""
     cls = type(model)
     return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def body_bytes(model) -> int:
+    """Bytes of this rank's parameters outside the embeddings and the head: what tensor
+    parallelism is meant to divide. Module-level, so vLLM can ship it to workers."""
+    from torch import nn
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        VocabParallelEmbedding,
+    )
+
+    head = getattr(model, "get_output_embeddings", lambda: None)()  # transformers'
+    skip = {
+        id(p)
+        for mod in model.modules()
+        if isinstance(mod, (VocabParallelEmbedding, nn.Embedding)) or mod is head
+        for p in mod.parameters()
+    }
+    total = 0
+    for mod in model.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if id(p) in skip:
+                continue
+            count = p.numel()
+            if not count and name == "weight" and hasattr(mod, "input_size"):
+                # vLLM's CPU build repacks a linear's weight out of the parameter:
+                # what this rank holds is its partition's shape
+                rows = (
+                    getattr(mod, "output_size_per_partition", None) or mod.output_size
+                )
+                cols = getattr(mod, "input_size_per_partition", None) or mod.input_size
+                count = rows * cols
+            total += count * p.element_size()
+    return total
 
 
 def set_cpu_env(tp: int, pp: int) -> None:
@@ -188,10 +223,11 @@ def run(
     result_fused = fused.lines
     try:
         impls = set(llm.apply_model(model_class_name))
+        rank_bytes = llm.apply_model(body_bytes)
         tokens, logprobs = greedy(llm, prompts, max_tokens)
     finally:
         del llm
         cleanup_dist_env_and_memory()
     if len(impls) != 1:
         raise RuntimeError(f"ranks ran different classes: {sorted(impls)}")
-    return EngineResult(impls.pop(), tokens, logprobs, result_fused)
+    return EngineResult(impls.pop(), tokens, logprobs, result_fused, rank_bytes)

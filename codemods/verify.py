@@ -265,6 +265,9 @@ def _verify_generated(
         ]
     if backend:
         result["backend"] = runs[-1]["backend"]
+    shares = [r["rank_share"] for r in runs if "rank_share" in r]
+    if shares:
+        result["rank_share"] = max(shares)
     if not generated_ran:
         bad = next(
             r["impl"] for r in runs if not r["impl"].startswith(f"{expected_module}:")
@@ -385,6 +388,7 @@ def _run_one(
         f"reference{label}: transformers, greedy, {len(prompts)} prompts x {MAX_TOKENS} tokens"
     )
     ref = reference.greedy_with_logprobs(model, prompts, MAX_TOKENS)
+    whole = engine.body_bytes(model)
     del model
     progress(f"engine{label}: real vLLM, {arch}, TP={tp} PP={pp}")
     ran = engine.run(
@@ -405,6 +409,10 @@ def _run_one(
         )
     progress(f"compare{label}: tokens equal, logprobs within {TOLERANCE:g}")
     max_diff, tokens_equal = compare(prompts, ref, ran)
+    if pp == 1 and ran.rank_bytes and whole:
+        # what the largest rank holds of the transformers model's parameters outside
+        # the embeddings and head: ~1/tp where every layer is sharded, 1.0 replicated
+        out["rank_share"] = round(max(ran.rank_bytes) / whole, 3)
     out.update(
         impl=ran.impl,
         max_abs_logprob_diff=max_diff,

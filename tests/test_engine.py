@@ -34,6 +34,8 @@ def test_verify_qwen3(parallel):
     assert out["impl"] == "generated.qwen3:Qwen3ForCausalLM"
     assert out["tokens_equal"] is True and out["max_abs_logprob_diff"] <= 1e-4
     assert (out["tp"], out["pp"]) == ((2, 1) if "--tp" in parallel else (1, 2))
+    if "--tp" in parallel:
+        assert out["rank_share"] <= 0.6, out  # each rank holds its shards, measured
     assert (
         "mixed_layer_types" in out["features"] and "attention_bias" in out["features"]
     )

@@ -4,7 +4,8 @@ TP=1 (all in one process), and each kind at TP=2 or PP=2 (its engine in its own 
 Kinds: a faithful attention with QKV fused inside it (granite_swa: sinks, windows,
 multipliers; vLLM's Transformers backend gives wrong tokens on it), a faithful MoE block
 (afmoe: its own sigmoid router and shared experts, no TP plan), a parallel attention +
-MLP layer (phi), a GPT-2-style model (gpt2: learned positions, Conv1D, no TP plan), and
+MLP layer (phi), a GPT-2-style model (gpt2: learned positions, Conv1D, no TP plan: the
+plan its dataflow gives), and
 a model's own eager attention (bloom: ALiBi; gpt_neo: windows on every other layer),
 and a source whose config-wide switch needs two tiny configs (cohere2_moe: an RMSNorm or a
 LayerNorm by `rms_norm_eps`, dense layers among its MoE layers).
@@ -49,7 +50,8 @@ def test_every_kind_verifies_at_tp1():
         ("granite_swa", ["--tp", "2"]),
         ("afmoe", ["--pp", "2"]),
         ("phi", ["--tp", "2"]),
-        ("gpt2", ["--pp", "2"]),
+        # no TP plan: sharded as the dataflow says (Conv1D, a packed q|k|v)
+        ("gpt2", ["--tp", "2"]),
     ],
     ids=lambda v: v if isinstance(v, str) else "".join(v).replace("--", ""),
 )
@@ -59,3 +61,7 @@ def test_faithful_kinds_under_parallelism(model, parallel):
     assert result.returncode == 0 and out["ok"], out
     assert out["impl"].startswith(f"generated.{model}:")
     assert (out["tp"], out["pp"]) == ((2, 1) if parallel[0] == "--tp" else (1, 2))
+    if parallel[0] == "--tp":
+        # what the running engine's largest rank holds of the layers' bytes: shards,
+        # not replicas (a model replicated on every rank gives the same tokens)
+        assert out["rank_share"] <= 0.6, out

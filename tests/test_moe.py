@@ -290,6 +290,8 @@ def test_moe_models_match_transformers_in_vllm(arch, args):
     assert rc == 0 and out["ok"] is True, out
     assert out["impl"] == f"generated.{arch}:{MODELS[arch]}"
     assert out["tokens_equal"] and out["max_abs_logprob_diff"] <= 1e-4
+    if "--tp" in args:
+        assert out["rank_share"] <= 0.6, out  # experts and attention sharded, measured
     if "--layout" in args:
         assert out["layout"] == "in-memory"
     if arch == "qwen3_moe":
