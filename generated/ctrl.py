@@ -10,6 +10,7 @@
 # Fusion report:
 #   Unfused: decoder layer (EncoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (MultiHeadAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Unfused: tensor parallel (point_wise_feed_forward_network): 2 torch nn.Linear kept as the source builds it: whole on every rank, outside vLLM's quantization and LoRA
 #   Refused: q/k/v projections (MultiHeadAttention): the projections read different tensors (k, q, v)
 #   Refused: residual add + norm (EncoderLayer): `normed = self.layernorm1(x)` does not save the residual stream
 # ======================================================================================

@@ -150,22 +150,32 @@ def test_an_attention_that_counts_all_heads_in_a_reshape_is_replicated(tmp_path)
 
 
 def test_linears_no_plan_shards_are_said_to_be_replicated():
-    """OPT's config has no TP plan: every linear of its copied classes is held whole on
-    each rank, a slow path under TP that the report names (Qwen3's are all sharded)."""
+    """Linears no plan can shard are held whole on each rank, a slow path under TP that
+    the report names with the reason: BLOOM reads its output projections as weights (a
+    `pretraining_tp` branch), Falcon builds its own `nn.Linear` subclass, which the file
+    keeps (Qwen3's are all sharded; OPT, without a TP plan, by its dataflow)."""
     from codemods.apply import generate
 
-    plan, text = generate("modeling_opt.py")
+    plan, text = generate("modeling_bloom.py")
+    lines = [u.describe() for u in plan.unfused if u.what == "tensor parallel"]
+    assert (
+        "Unfused: tensor parallel (BloomAttention): replicated on every rank: "
+        "query_key_value (transformers' TP plan has no entry for them, and their "
+        "dataflow gives none: the source reads dense as weights)"
+    ) in lines, lines
+    assert "self.query_key_value = ReplicatedLinear(" in text
+    plan, text = generate("modeling_falcon.py")
     lines = [u.describe() for u in plan.unfused if u.what == "tensor parallel"]
     assert any(
-        line.startswith(
-            "Unfused: tensor parallel (OPTAttention): replicated on every rank:"
-        )
-        and all(p in line for p in ("q_proj", "k_proj", "v_proj", "out_proj"))
+        line.startswith("Unfused: tensor parallel (FalconAttention): replicated: ")
+        and "self.query_key_value (FalconLinear)" in line
         for line in lines
     ), lines
-    assert text.count("ReplicatedLinear(") >= 4
-    plan, _ = generate("modeling_qwen3.py")
-    assert [u for u in plan.unfused if u.what == "tensor parallel"] == []
+    # and its heads are not divided over ranks its linears do not shard
+    assert "get_tensor_model_parallel_world_size" not in text
+    for source in ("modeling_qwen3.py", "modeling_opt.py"):
+        plan, _ = generate(source)
+        assert [u for u in plan.unfused if u.what == "tensor parallel"] == [], source
 
 
 def test_a_non_attention_mixer_is_out_of_scope_in_one_line():

@@ -195,3 +195,15 @@ def test_gpt2_loads_conv1d_weights_transposed():
     assert text.count("conv1d_layout(") >= 5  # the helper and four layers
     att = _linears(text, "GPT2Attention")
     assert att["c_attn"] == "MergedColumnParallelLinear"
+
+
+def test_torch_linears_left_in_the_file_are_said():
+    """CTRL builds its feed-forward in a module-level function (`nn.Sequential` of torch
+    linears), which the file keeps: whole on every rank, and the report says so."""
+    plan, text = generate("modeling_ctrl.py")
+    assert "nn.Linear(d_model_size, dff)" in text
+    assert (
+        "Unfused: tensor parallel (point_wise_feed_forward_network): 2 torch nn.Linear "
+        "kept as the source builds it: whole on every rank, outside vLLM's quantization "
+        "and LoRA"
+    ) in plan.report()

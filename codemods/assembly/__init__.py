@@ -124,8 +124,42 @@ def assemble(model: Model, copied: Copied, defs: Definitions, plan: Plan) -> Ass
         head = head.replace(
             "from vllm.compilation.decorators import support_torch_compile\n", ""
         )
+    said = {
+        u.source_class
+        for u in [*plan.unfused, *copied.unfused, *out.unfused]
+        if u.what == "tensor parallel"
+    }
+    out.unfused += _torch_linears(body, said)
     extra = "\n".join(i for i in imports if i not in head.splitlines())
     out.text = head + ("\n" + extra + "\n" if extra else "") + "\n\n" + body
+    return out
+
+
+def _torch_linears(body: str, said: set[str]) -> list[Unfused]:
+    """torch's own `nn.Linear`s left in the file (built by a module-level function such
+    as CTRL's feed-forward `nn.Sequential`, or with arguments vLLM's linears do not
+    take): whole on every rank and outside vLLM's quantization, said once per class or
+    function whose other report lines do not already say why."""
+    import ast
+
+    out = []
+    for node in ast.parse(body).body:
+        if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name in said:
+            continue
+        count = sum(
+            isinstance(c, ast.Call)
+            and ast.unparse(c.func) in ("nn.Linear", "torch.nn.Linear")
+            for c in ast.walk(node)
+        )
+        if count:
+            out.append(
+                Unfused(
+                    node.name,
+                    "tensor parallel",
+                    f"{count} torch nn.Linear kept as the source builds it: whole on "
+                    "every rank, outside vLLM's quantization and LoRA",
+                )
+            )
     return out
 
 
