@@ -18,7 +18,6 @@ import copy
 
 RANKS = 2
 TOLERANCE = 1e-5
-SHARDED = {"colwise", "rowwise"}
 # a column-parallel linear whose output the source splits into equal parts (GPT-2's
 # `c_attn`, q|k|v): each part sharded on its own, as vLLM's merged linear holds them
 PACKED = "colwise_packed_"
@@ -104,11 +103,13 @@ def _shard(module, styles, head_attrs, sinks, rank: int, reduce: _AllReduce):
     for attr, style in styles.items():
         linear = getattr(shard, attr)
         w = linear.weight.data
-        if style.startswith(PACKED):
-            parts = int(style.removeprefix(PACKED))
+        if is_column(style):
+            # a packed projection's parts each split over the ranks (one part: plain)
+            parts = int(style.removeprefix(PACKED)) if style != "colwise" else 1
             if w.shape[0] % (parts * RANKS):
+                of = f"{parts} parts " if parts > 1 else ""
                 raise ValueError(
-                    f"self.{attr} has {w.shape[0]} outputs, not {parts} parts divisible by {RANKS}"
+                    f"self.{attr} has {w.shape[0]} outputs, not {of}divisible by {RANKS}"
                 )
 
             def mine(t):
@@ -117,15 +118,6 @@ def _shard(module, styles, head_attrs, sinks, rank: int, reduce: _AllReduce):
             linear.weight.data = mine(w).clone()
             if linear.bias is not None:
                 linear.bias.data = mine(linear.bias.data).clone()
-            linear.out_features = linear.weight.shape[0]
-        elif style == "colwise":
-            if w.shape[0] % RANKS:
-                raise ValueError(
-                    f"self.{attr} has {w.shape[0]} outputs, not divisible by {RANKS}"
-                )
-            linear.weight.data = w.chunk(RANKS, 0)[rank].clone()
-            if linear.bias is not None:
-                linear.bias.data = linear.bias.data.chunk(RANKS, 0)[rank].clone()
             linear.out_features = linear.weight.shape[0]
         elif style == "rowwise":
             if w.shape[1] % RANKS:
@@ -262,7 +254,7 @@ def prove(
 
     import torch
 
-    sharded = {a: s for a, s in styles.items() if s in SHARDED or is_column(s)}
+    sharded = {a: s for a, s in styles.items() if is_column(s) or s == "rowwise"}
     if not sharded:
         return None
     if call is None:

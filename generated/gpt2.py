@@ -195,7 +195,6 @@ class GPT2Attention(nn.Module):
             prefix=f"{prefix}.attn",
         )
         # tensor parallel: the source's reshapes count this rank's width
-        tp_size = get_tensor_model_parallel_world_size()
         self.embed_dim = self.embed_dim // tp_size
         self.split_size = self.split_size // tp_size
 

@@ -172,7 +172,6 @@ class Attention(nn.Module):
             prefix=f"{prefix}.attn",
         )
         # tensor parallel: the source's reshapes count this rank's width
-        tp_size = get_tensor_model_parallel_world_size()
         self.split_size = self.split_size // tp_size
 
     def merge_heads(self, x):

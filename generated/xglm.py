@@ -263,7 +263,6 @@ class XGLMAttention(nn.Module):
             prefix=f"{prefix}.attn",
         )
         # tensor parallel: the source's reshapes count this rank's width
-        tp_size = get_tensor_model_parallel_world_size()
         self.embed_dim = self.embed_dim // tp_size
 
     def forward(

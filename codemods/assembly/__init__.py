@@ -126,7 +126,7 @@ def assemble(model: Model, copied: Copied, defs: Definitions, plan: Plan) -> Ass
         )
     said = {
         u.source_class
-        for u in [*plan.unfused, *copied.unfused, *out.unfused]
+        for u in [*plan.unfused, *out.unfused]  # plan.unfused holds the copy's lines
         if u.what == "tensor parallel"
     }
     out.unfused += _torch_linears(body, said)

@@ -498,11 +498,21 @@ def _rewrite_init(
         )
         body = _append(body, lines)
     if ctx.divided.get(info.name):
+        # a sharded attention's lines above have set `tp_size` already
+        has_tp_size = (
+            spec is not None
+            and info.name in ctx.sharded_attention
+            and info.name not in ctx.merged_heads
+        )
         body = _append(
             body,
             [
                 "# tensor parallel: the source's reshapes count this rank's width",
-                "tp_size = get_tensor_model_parallel_world_size()",
+                *(
+                    []
+                    if has_tp_size
+                    else ["tp_size = get_tensor_model_parallel_world_size()"]
+                ),
                 *(f"self.{a} = self.{a} // tp_size" for a in ctx.divided[info.name]),
             ],
         )
