@@ -117,8 +117,8 @@ class ClassInfo:
             return dotted_name(value.func)
         return None
 
-    def constructed_classes(self, attr: str) -> list[str]:
-        """Every class `self.<attr>` may be built from, in source order (both sides of
+    def constructions(self, attr: str) -> list[cst.Call]:
+        """Every call `self.<attr>` may be built by, in source order (both sides of
         `A(...) if <test> else B(...)` too)."""
         calls = []
         pending = list(self.choices.get(attr, []))
@@ -128,7 +128,12 @@ class ClassInfo:
                 pending[:0] = [value.body, value.orelse]
             elif isinstance(value, cst.Call):
                 calls.append(value)
-        return list(dict.fromkeys(filter(None, (dotted_name(c.func) for c in calls))))
+        return calls
+
+    def constructed_classes(self, attr: str) -> list[str]:
+        """Every class `self.<attr>` may be built from, in source order."""
+        names = (dotted_name(c.func) for c in self.constructions(attr))
+        return list(dict.fromkeys(filter(None, names)))
 
 
 def dotted_name(node: cst.BaseExpression) -> str | None:

@@ -11,7 +11,6 @@ import libcst as cst
 import libcst.matchers as m
 
 from .base import ClassInfo, PatternRefused, code
-from .rms_norm import NormSpec
 
 # Extra constructor arguments every emitted module takes (its copied callers pass them,
 # as they do to every class holding vLLM layers).
@@ -61,12 +60,6 @@ def with_extras(call: cst.Call, extras: tuple[str, ...], attr: str) -> str:
             f'prefix=f"{{prefix}}.{attr}"' if extra == "prefix" else f"{extra}={extra}"
         )
     return f"{code(call.func)}({', '.join(args)})"
-
-
-def norm_construction(spec: NormSpec, call: cst.Call) -> str:
-    size, eps = spec.bind(call)
-    eps_arg = f", eps={code(eps)}" if eps is not None else ""
-    return f"{spec.vllm_class}({code(size)}{eps_arg})"
 
 
 def translate_init(

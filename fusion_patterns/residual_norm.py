@@ -291,18 +291,23 @@ def prove(spec: LayerSpec, layer, call=None) -> None:
     if output.all_input_nodes != [stream]:
         raise PatternRefused("the layer does not return the last residual add")
 
-    size = getattr(layer, spec.blocks[0].norm).weight.shape[-1]
+    args, kwargs = ((), {}) if call is None else copy.deepcopy(call[:2])
+    given = kwargs.pop("hidden_states", None)
+    weight = getattr(getattr(layer, spec.blocks[0].norm), "weight", None)
+    if args and isinstance(args[0], torch.Tensor):
+        shape = tuple(args[0].shape)
+    elif weight is not None:
+        shape = (1, 6, weight.shape[-1])
+    elif isinstance(given, torch.Tensor):
+        shape = tuple(given.shape)
+    else:
+        raise PatternRefused("the layer's width is neither a norm weight nor an input")
     saved = {b.mixer: getattr(layer, b.mixer) for b in spec.blocks}
     try:
         for i, block in enumerate(spec.blocks):
-            object.__setattr__(layer, block.mixer, _StandIn(size, i, block.unpacks))
+            object.__setattr__(layer, block.mixer, _StandIn(shape[-1], i, block.unpacks))
             layer._modules.pop(block.mixer, None)
         with torch.no_grad():
-            args, kwargs = ((), {}) if call is None else copy.deepcopy(call[:2])
-            kwargs.pop("hidden_states", None)
-            shape = (1, 6, size)
-            if args and isinstance(args[0], torch.Tensor):
-                shape = tuple(args[0].shape)
             x = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
             theirs = layer(x, *args[1:], **kwargs)
             h, residual = x, None

@@ -32,7 +32,7 @@ def candidates(module, plan: dict[str, str]):
     (the proof tells which the source computes)."""
     yield plan
     for attr, style in plan.items():
-        if style != "colwise":
+        if style != "colwise" or getattr(module, attr, None) is None:
             continue
         out = getattr(module, attr).out_features
         for parts in (3, 2):
@@ -101,7 +101,9 @@ def _shard(module, styles, head_attrs, sinks, rank: int, reduce: _AllReduce):
 
     shard = copy.deepcopy(module)
     for attr, style in styles.items():
-        linear = getattr(shard, attr)
+        linear = getattr(shard, attr, None)
+        if linear is None:  # a layer that does not build it
+            continue
         w = linear.weight.data
         if is_column(style):
             # a packed projection's parts each split over the ranks (one part: plain)
@@ -223,7 +225,9 @@ def widths(module, styles: dict[str, str], head_attrs: list[str]) -> list[str]:
     proof decides whether dividing them over the ranks computes the same."""
     sizes = set()
     for attr, style in styles.items():
-        linear = getattr(module, attr)
+        linear = getattr(module, attr, None)
+        if linear is None:  # a layer that does not build it (a kv-shared layer's v)
+            continue
         if is_column(style):
             sizes.add(linear.out_features)
             if style.startswith(PACKED):

@@ -8,20 +8,25 @@
 # architecture:  GeneratedAfmoeForCausalLM -> AfmoeForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: norm (AfmoeModel) -> norm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: input_layernorm (AfmoeDecoderLayer) -> input_layernorm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: post_attention_layernorm (AfmoeDecoderLayer) -> post_attention_layernorm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: pre_mlp_layernorm (AfmoeDecoderLayer) -> pre_mlp_layernorm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: post_mlp_layernorm (AfmoeDecoderLayer) -> post_mlp_layernorm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: q_norm (AfmoeAttention) -> q_norm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: k_norm (AfmoeAttention) -> k_norm (RMSNorm, weight in fp32, before the cast back)
 #   Fused: gate_up_proj + down_proj (AfmoeExperts) -> experts (FusedMoE, external routing: the block's own router picks the experts, in self.mlp.experts)
 #   Fused: gate_proj + up_proj (AfmoeMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: gate_proj + up_proj (AfmoeMLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
 #   Fused: apply_rotary_pos_emb (AfmoeAttention) -> rotary_emb (get_rope, NeoX halves)
-#   Unfused: module (AfmoeRMSNorm): copied from the source (the weight is not applied as a multiply after the cast back)
-#   Unfused: decoder layer (AfmoeDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
+#   Fused: residual add + input_layernorm (AfmoeDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
+#   Fused: residual add + pre_mlp_layernorm (AfmoeDecoderLayer) -> pre_mlp_layernorm (RMSNorm(x, residual))
 #   Unfused: module (AfmoeSparseMoeBlock): copied from the source (the router logits are not one linear of self.<weight>)
 #   Unfused: module (AfmoeTokenChoiceRouter): copied from the source
 #   Unfused: attention (AfmoeAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
 #   Unfused: tensor parallel (AfmoeTokenChoiceRouter): replicated on every rank: gate (transformers' TP plan has no entry for them, and their dataflow gives none: no linear feeds another on the way to its output)
-#   Refused: AfmoeRMSNorm (AfmoeRMSNorm): the weight is not applied as a multiply after the cast back
 #   Refused: router + experts (AfmoeSparseMoeBlock): the router logits are not one linear of self.<weight>
 #   Refused: q/k/v projections (AfmoeAttention): no single output projection after attention
-#   Refused: residual add + norm (AfmoeDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of AfmoeForCausalLM, generated from transformers/models/afmoe/modeling_afmoe.py."""
 
@@ -39,6 +44,7 @@ from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -86,23 +92,6 @@ def vllm_attention(
         value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
     out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
     return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
-
-
-class AfmoeRMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return (self.weight * hidden_states).to(input_dtype)  # main diff with Llama
-
-    def extra_repr(self):
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 class AfmoeMLP(nn.Module):
@@ -322,8 +311,12 @@ class AfmoeAttention(nn.Module):
         self.is_local_attention = config.layer_types[layer_idx] == "sliding_attention"
         self.sliding_window = config.sliding_window if self.is_local_attention else None
 
-        self.q_norm = AfmoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = AfmoeRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = RMSNorm(
+            self.head_dim, eps=config.rms_norm_eps, dtype=torch.float32
+        )
+        self.k_norm = RMSNorm(
+            self.head_dim, eps=config.rms_norm_eps, dtype=torch.float32
+        )
         self.gate_proj = ColumnParallelLinear(
             config.hidden_size,
             config.num_attention_heads * self.head_dim,
@@ -438,17 +431,19 @@ class AfmoeDecoderLayer(nn.Module):
         )
 
         # Dual normalization for attention
-        self.input_layernorm = AfmoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = AfmoeRMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
+        self.input_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
+        )
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
         )
 
         # Dual normalization for FFN
-        self.pre_mlp_layernorm = AfmoeRMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
+        self.pre_mlp_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
         )
-        self.post_mlp_layernorm = AfmoeRMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
+        self.post_mlp_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
         )
 
         # MoE or dense FFN
@@ -470,13 +465,16 @@ class AfmoeDecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.FloatTensor:
-        residual = hidden_states
-
-        # Self Attention with dual normalization
-        hidden_states = self.input_layernorm(hidden_states)
+    ):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            # the previous layer's residual add, fused into this norm
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
             attention_mask=attention_mask,
@@ -485,16 +483,10 @@ class AfmoeDecoderLayer(nn.Module):
             **kwargs,
         )
         hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states = residual + hidden_states
-
-        # FFN with dual normalization
-        residual = hidden_states
-        hidden_states = self.pre_mlp_layernorm(hidden_states)
+        hidden_states, residual = self.pre_mlp_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
         hidden_states = self.post_mlp_layernorm(hidden_states)
-
-        hidden_states = residual + hidden_states
-        return hidden_states
+        return hidden_states, residual
 
 
 @support_torch_compile
@@ -528,11 +520,13 @@ class AfmoeModel(nn.Module):
             prefix=f"{prefix}.layers",
         )
         if get_pp_group().is_last_rank:
-            self.norm = AfmoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.norm = RMSNorm(
+                config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
+            )
         else:
             self.norm = PPMissingLayer()
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "residual"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -552,6 +546,7 @@ class AfmoeModel(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
@@ -564,19 +559,25 @@ class AfmoeModel(nn.Module):
             # Apply muP input scaling if enabled
             if self.config.mup_enabled:
                 hidden_states = hidden_states * (self.config.hidden_size**0.5)
+        if get_pp_group().is_first_rank:
+            residual = None
         for i, decoder_layer in enumerate(
             islice(self.layers, self.start_layer, self.end_layer),
             start=self.start_layer,
         ):
-            hidden_states = decoder_layer(
+            hidden_states, residual = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask_mapping[self.config.layer_types[i]],
                 position_ids=position_ids,
+                residual=residual,
                 positions=positions,
             )
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
-        hidden_states = self.norm(hidden_states)
+            return IntermediateTensors(
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
+            )
+        # the last layer's residual add, fused into the final norm
+        hidden_states, _ = self.norm(hidden_states, residual)
         return (hidden_states)[0]
 
 

@@ -10,9 +10,9 @@
 # Fusion report:
 #   Fused: gate_proj + up_proj (CohereMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: q_proj + k_proj + v_proj (CohereAttention) -> qkv_proj (QKVParallelLinear)
-#   Unfused: module (CohereLayerNorm): copied from the source (the weight is not applied as a multiply after the cast back)
+#   Unfused: module (CohereLayerNorm): copied from the source (its weight is 2-D, vLLM's is one vector)
 #   Unfused: decoder layer (CohereDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Refused: CohereLayerNorm (CohereLayerNorm): the weight is not applied as a multiply after the cast back
+#   Refused: CohereLayerNorm (CohereLayerNorm): its weight is 2-D, vLLM's is one vector
 #   Refused: residual add + norm (CohereDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of CohereForCausalLM, generated from transformers/models/cohere/modeling_cohere.py."""

@@ -13,13 +13,13 @@
 #   Fused: gate_proj + up_proj (Cohere2MoeMLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
 #   Fused: q_proj + k_proj + v_proj (Cohere2MoeAttention) -> qkv_proj (QKVParallelLinear)
 #   Fused: apply_rotary_pos_emb (Cohere2MoeAttention) -> rotary_emb (get_rope, GPT-J pairs)
-#   Unfused: module (Cohere2MoeLayerNorm): copied from the source (the weight is not applied as a multiply after the cast back)
+#   Unfused: module (Cohere2MoeLayerNorm): copied from the source (none of vLLM's RMSNorm forms computes it (weight after the cast back: RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05); weight in fp32, before the cast back: RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05); 1 + weight: RMSNorm: the fused form differs (max rel err 7.7e-01 > 1e-05)))
 #   Unfused: module (Cohere2MoeRMSNorm): copied from the source
 #   Unfused: decoder layer (Cohere2MoeDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (Cohere2MoeSparseMoeBlock): copied from the source (the router scores neither with a softmax nor a sigmoid)
 #   Unfused: module (Cohere2MoeTopKRouter): copied from the source
 #   Unfused: attention (Cohere2MoeAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
-#   Refused: Cohere2MoeLayerNorm (Cohere2MoeLayerNorm): the weight is not applied as a multiply after the cast back
+#   Refused: Cohere2MoeLayerNorm (Cohere2MoeLayerNorm): none of vLLM's RMSNorm forms computes it (weight after the cast back: RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05); weight in fp32, before the cast back: RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05); 1 + weight: RMSNorm: the fused form differs (max rel err 7.7e-01 > 1e-05))
 #   Refused: router + experts (Cohere2MoeSparseMoeBlock): the router scores neither with a softmax nor a sigmoid
 #   Refused: attention (Cohere2MoeAttention): not vLLM's own layout: query (merged GEMM, head norm, rope): the fused form differs (max rel err 1.5e+00 > 1e-05)
 #   Refused: residual add + norm (Cohere2MoeDecoderLayer): self.input_layernorm is not an RMSNorm

@@ -8,11 +8,14 @@
 # architecture:  GeneratedFlexOlmoForCausalLM -> FlexOlmoForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: norm (FlexOlmoModel) -> norm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: post_attention_layernorm (FlexOlmoDecoderLayer) -> post_attention_layernorm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: post_feedforward_layernorm (FlexOlmoDecoderLayer) -> post_feedforward_layernorm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: q_norm (FlexOlmoAttention) -> q_norm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: k_norm (FlexOlmoAttention) -> k_norm (RMSNorm, weight in fp32, before the cast back)
 #   Fused: gate + experts (FlexOlmoSparseMoeBlock) -> experts (FusedMoE, softmax top-`config.num_experts_per_tok` of `config.num_local_experts` experts, renormalised when `config.norm_topk_prob`)
 #   Fused: q_proj + k_proj + v_proj (FlexOlmoAttention) -> qkv_proj (QKVParallelLinear)
-#   Unfused: module (FlexOlmoRMSNorm): copied from the source (the weight is not applied as a multiply after the cast back)
 #   Unfused: decoder layer (FlexOlmoDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Refused: FlexOlmoRMSNorm (FlexOlmoRMSNorm): the weight is not applied as a multiply after the cast back
 #   Refused: residual add + norm (FlexOlmoDecoderLayer): `# Self Attention` is not a norm of the saved stream
 # ======================================================================================
 """Native vLLM implementation of FlexOlmoForCausalLM, generated from transformers/models/flex_olmo/modeling_flex_olmo.py."""
@@ -35,6 +38,7 @@ from vllm.distributed import (
 )
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear
+from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
@@ -58,23 +62,6 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
-
-
-class FlexOlmoRMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return (self.weight * hidden_states).to(input_dtype)
-
-    def extra_repr(self):
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 class FlexOlmoAttention(nn.Module):
@@ -127,11 +114,15 @@ class FlexOlmoAttention(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
         )
-        self.q_norm = FlexOlmoRMSNorm(
-            config.num_attention_heads * self.head_dim, config.rms_norm_eps
+        self.q_norm = RMSNorm(
+            config.num_attention_heads * self.head_dim,
+            eps=config.rms_norm_eps,
+            dtype=torch.float32,
         )
-        self.k_norm = FlexOlmoRMSNorm(
-            config.num_key_value_heads * self.head_dim, config.rms_norm_eps
+        self.k_norm = RMSNorm(
+            config.num_key_value_heads * self.head_dim,
+            eps=config.rms_norm_eps,
+            dtype=torch.float32,
         )
         self.rotary_emb = get_rope(
             self.head_dim,
@@ -237,11 +228,11 @@ class FlexOlmoDecoderLayer(nn.Module):
         self.mlp = FlexOlmoSparseMoeBlock(
             config, quant_config=quant_config, prefix=f"{prefix}.mlp"
         )
-        self.post_attention_layernorm = FlexOlmoRMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
         )
-        self.post_feedforward_layernorm = FlexOlmoRMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
+        self.post_feedforward_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
         )
 
     def forward(
@@ -300,7 +291,9 @@ class FlexOlmoModel(nn.Module):
             prefix=f"{prefix}.layers",
         )
         if get_pp_group().is_last_rank:
-            self.norm = FlexOlmoRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.norm = RMSNorm(
+                config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
+            )
         else:
             self.norm = PPMissingLayer()
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(

@@ -8,20 +8,21 @@
 # architecture:  GeneratedGptOssForCausalLM -> GptOssForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: norm (GptOssModel) -> norm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: input_layernorm (GptOssDecoderLayer) -> input_layernorm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: post_attention_layernorm (GptOssDecoderLayer) -> post_attention_layernorm (RMSNorm, weight in fp32, before the cast back)
 #   Fused: q_proj + k_proj + v_proj (GptOssAttention) -> qkv_proj (QKVParallelLinear)
 #   Fused: apply_rotary_pos_emb (GptOssAttention) -> rotary_emb (get_rope, NeoX halves)
-#   Unfused: module (GptOssRMSNorm): copied from the source (the weight is not applied as a multiply after the cast back)
-#   Unfused: decoder layer (GptOssDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
+#   Fused: residual add + input_layernorm (GptOssDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
+#   Fused: residual add + post_attention_layernorm (GptOssDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (GptOssMLP): copied from the source (no experts class matched)
 #   Unfused: module (GptOssExperts): copied from the source (their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert)
 #   Unfused: module (GptOssTopKRouter): copied from the source
 #   Unfused: attention (GptOssAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window, sinks=self.sinks)
 #   Unfused: torch.compile (GptOssModel): off: GptOssExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
-#   Refused: GptOssRMSNorm (GptOssRMSNorm): the weight is not applied as a multiply after the cast back
 #   Refused: router + experts (GptOssMLP): no experts class matched
 #   Refused: experts (the source's router) (GptOssExperts): their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert
 #   Refused: attention (GptOssAttention): not vLLM's own layout: attention sinks
-#   Refused: residual add + norm (GptOssDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of GptOssForCausalLM, generated from transformers/models/gpt_oss/modeling_gpt_oss.py."""
 
@@ -35,6 +36,7 @@ from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
@@ -77,23 +79,6 @@ def vllm_attention(
         value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
     out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
     return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
-
-
-class GptOssRMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return (self.weight * hidden_states).to(input_dtype)  # main diff with Llama
-
-    def extra_repr(self):
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 class GptOssExperts(nn.Module):
@@ -341,11 +326,11 @@ class GptOssDecoderLayer(nn.Module):
             prefix=f"{prefix}.self_attn",
         )
         self.mlp = GptOssMLP(config)
-        self.input_layernorm = GptOssRMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
+        self.input_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
         )
-        self.post_attention_layernorm = GptOssRMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
         )
 
     def forward(
@@ -356,11 +341,16 @@ class GptOssDecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+    ):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            # the previous layer's residual add, fused into this norm
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
@@ -369,14 +359,9 @@ class GptOssDecoderLayer(nn.Module):
             positions=positions,
             **kwargs,
         )
-        hidden_states = residual + hidden_states
-
-        # Fully Connected
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states, _ = self.mlp(hidden_states)  # diff with llama: router scores
-        hidden_states = residual + hidden_states
-        return hidden_states
+        return hidden_states, residual
 
 
 class GptOssModel(nn.Module):
@@ -409,11 +394,13 @@ class GptOssModel(nn.Module):
             prefix=f"{prefix}.layers",
         )
         if get_pp_group().is_last_rank:
-            self.norm = GptOssRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.norm = RMSNorm(
+                config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
+            )
         else:
             self.norm = PPMissingLayer()
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "residual"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -433,6 +420,7 @@ class GptOssModel(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
@@ -442,19 +430,25 @@ class GptOssModel(nn.Module):
         }
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
+        if get_pp_group().is_first_rank:
+            residual = None
         for i, decoder_layer in enumerate(
             islice(self.layers, self.start_layer, self.end_layer),
             start=self.start_layer,
         ):
-            hidden_states = decoder_layer(
+            hidden_states, residual = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask_mapping[self.config.layer_types[i]],
                 position_ids=position_ids,
+                residual=residual,
                 positions=positions,
             )
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
-        hidden_states = self.norm(hidden_states)
+            return IntermediateTensors(
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
+            )
+        # the last layer's residual add, fused into the final norm
+        hidden_states, _ = self.norm(hidden_states, residual)
         return (hidden_states)[0]
 
 

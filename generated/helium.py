@@ -8,12 +8,13 @@
 # architecture:  GeneratedHeliumForCausalLM -> HeliumForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: norm (HeliumModel) -> norm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: input_layernorm (HeliumDecoderLayer) -> input_layernorm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: post_attention_layernorm (HeliumDecoderLayer) -> post_attention_layernorm (RMSNorm, weight in fp32, before the cast back)
 #   Fused: gate_proj + up_proj (HeliumMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: q_proj + k_proj + v_proj (HeliumAttention) -> qkv_proj (QKVParallelLinear)
-#   Unfused: module (HeliumRMSNorm): copied from the source (the weight is not applied as a multiply after the cast back)
-#   Unfused: decoder layer (HeliumDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Refused: HeliumRMSNorm (HeliumRMSNorm): the weight is not applied as a multiply after the cast back
-#   Refused: residual add + norm (HeliumDecoderLayer): self.input_layernorm is not an RMSNorm
+#   Fused: residual add + input_layernorm (HeliumDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
+#   Fused: residual add + post_attention_layernorm (HeliumDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 # ======================================================================================
 """Native vLLM implementation of HeliumForCausalLM, generated from transformers/models/helium/modeling_helium.py."""
 
@@ -30,6 +31,7 @@ from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -57,23 +59,6 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
-
-
-class HeliumRMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states):
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return (self.weight.to(torch.float32) * hidden_states).to(input_dtype)
-
-    def extra_repr(self):
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 class HeliumMLP(nn.Module):
@@ -217,11 +202,11 @@ class HeliumDecoderLayer(nn.Module):
         )
 
         self.mlp = HeliumMLP(config, quant_config=quant_config, prefix=f"{prefix}.mlp")
-        self.input_layernorm = HeliumRMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
+        self.input_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
         )
-        self.post_attention_layernorm = HeliumRMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
         )
 
     def forward(
@@ -232,21 +217,21 @@ class HeliumDecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+    ):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            # the previous layer's residual add, fused into this norm
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         # Self Attention
         hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states = residual + hidden_states
-
-        # Fully Connected
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
+        return hidden_states, residual
 
 
 @support_torch_compile
@@ -280,11 +265,13 @@ class HeliumModel(nn.Module):
             prefix=f"{prefix}.layers",
         )
         if get_pp_group().is_last_rank:
-            self.norm = HeliumRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.norm = RMSNorm(
+                config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
+            )
         else:
             self.norm = PPMissingLayer()
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "residual"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -303,15 +290,23 @@ class HeliumModel(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
             hidden_states = inputs_embeds
+        if get_pp_group().is_first_rank:
+            residual = None
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states = decoder_layer(hidden_states, positions=positions)
+            hidden_states, residual = decoder_layer(
+                hidden_states, residual=residual, positions=positions
+            )
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
-        hidden_states = self.norm(hidden_states)
+            return IntermediateTensors(
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
+            )
+        # the last layer's residual add, fused into the final norm
+        hidden_states, _ = self.norm(hidden_states, residual)
         return (hidden_states)[0]
 
 

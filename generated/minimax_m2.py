@@ -14,15 +14,12 @@
 #   Fused: q_norm (MiniMaxM2Attention) -> q_norm (RMSNorm)
 #   Fused: k_norm (MiniMaxM2Attention) -> k_norm (RMSNorm)
 #   Fused: gate_up_proj + down_proj (MiniMaxM2Experts) -> experts (FusedMoE, external routing: the block's own router picks the experts, in self.mlp.experts)
-#   Fused: apply_rotary_pos_emb (MiniMaxM2Attention) -> rotary_emb (get_rope, NeoX halves)
+#   Fused: q_proj + k_proj + v_proj (MiniMaxM2Attention) -> qkv_proj (QKVParallelLinear)
 #   Fused: residual add + input_layernorm (MiniMaxM2DecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (MiniMaxM2DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (MiniMaxM2SparseMoeBlock): copied from the source (MiniMaxM2SparseMoeBlock as FusedMoE (renormalize=True): the fused form differs (max rel err 6.5e-01 > 1e-05))
 #   Unfused: module (MiniMaxM2TopKRouter): copied from the source
-#   Unfused: attention (MiniMaxM2Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Refused: router + experts (MiniMaxM2SparseMoeBlock): MiniMaxM2SparseMoeBlock as FusedMoE (renormalize=True): the fused form differs (max rel err 6.5e-01 > 1e-05)
-#   Refused: attention (MiniMaxM2Attention): proof failed to run: RuntimeError: The size of tensor a (64) must match the size of tensor b (256) at non-singleton dimension 0
-#   Refused: q/k/v projections (MiniMaxM2Attention): the merged layer shards by heads: transformers' TP plan does not shard them column-parallel
 # ======================================================================================
 """Native vLLM implementation of MiniMaxM2ForCausalLM, generated from transformers/models/minimax_m2/modeling_minimax_m2.py."""
 
@@ -39,11 +36,17 @@ from transformers.core_model_loading import WeightRenaming
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import (
+    get_pp_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    split_tensor_along_last_dim,
+    tensor_model_parallel_all_gather,
+)
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -72,21 +75,6 @@ from vllm.model_executor.models.utils import (
 from vllm.sequence import IntermediateTensors
 
 import torch.nn.functional as F
-
-
-def vllm_attention(
-    attn: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-) -> torch.Tensor:
-    """transformers' attention-interface layout around vLLM's paged attention:
-    [1, heads, tokens, head size] in, [1, tokens, heads, head size] out (vLLM takes and
-    returns [tokens, heads * head size])."""
-    tokens, size_v = query.shape[2], value.shape[-1]
-    if (
-        size_v < query.shape[-1]
-    ):  # a smaller value head: padded, as vLLM stores one size
-        value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
-    out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
-    return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
 
 
 class MiniMaxM2TopKRouter(nn.Module):
@@ -166,15 +154,13 @@ class MiniMaxM2SparseMoeBlock(nn.Module):
 
 
 class MiniMaxM2Attention(nn.Module):
-    """Multi-headed attention from 'Attention Is All You Need' paper"""
-
     def __init__(
         self,
         config,
-        layer_idx: int,
+        layer_idx,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ):
+    ) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
@@ -187,41 +173,35 @@ class MiniMaxM2Attention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        self.q_proj = ColumnParallelLinear(
+        # Fused: q_proj + k_proj + v_proj -> qkv_proj. Each rank holds its own heads of q, k
+        # and v; with fewer kv heads than ranks, k and v are replicated.
+        tp_size = get_tensor_model_parallel_world_size()
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = config.num_key_value_heads
+        assert self.total_num_heads % tp_size == 0
+        if self.total_num_kv_heads >= tp_size:
+            assert self.total_num_kv_heads % tp_size == 0
+        else:
+            assert tp_size % self.total_num_kv_heads == 0
+        self.num_heads = self.total_num_heads // tp_size
+        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
-            config.num_attention_heads * self.head_dim,
+            self.head_dim,
+            self.total_num_heads,
+            self.total_num_kv_heads,
             bias=False,
-            gather_output=True,
             quant_config=quant_config,
-            prefix=f"{prefix}.q_proj",
-            return_bias=False,
-        )
-        self.k_proj = ColumnParallelLinear(
-            config.hidden_size,
-            config.num_key_value_heads * self.head_dim,
-            bias=False,
-            gather_output=True,
-            quant_config=quant_config,
-            prefix=f"{prefix}.k_proj",
-            return_bias=False,
-        )
-        self.v_proj = ColumnParallelLinear(
-            config.hidden_size,
-            config.num_key_value_heads * self.head_dim,
-            bias=False,
-            gather_output=True,
-            quant_config=quant_config,
-            prefix=f"{prefix}.v_proj",
-            return_bias=False,
+            prefix=f"{prefix}.qkv_proj",
         )
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim,
             config.hidden_size,
             bias=False,
-            input_is_parallel=False,
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
-            return_bias=False,
         )
         self.q_norm = RMSNorm(
             config.num_attention_heads * self.head_dim, eps=config.rms_norm_eps
@@ -235,7 +215,6 @@ class MiniMaxM2Attention(nn.Module):
             is_neox_style=True,
             rope_parameters=config.rope_parameters,
         )
-        # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
         if (
@@ -247,53 +226,40 @@ class MiniMaxM2Attention(nn.Module):
             cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
-            config.num_attention_heads,
+            self.num_heads,
             self.head_dim,
             self.scaling,
-            num_kv_heads=config.num_key_value_heads,
+            num_kv_heads=self.num_kv_heads,
             cache_config=cache_config,
             quant_config=quant_config,
             per_layer_sliding_window=sliding_window,
             prefix=f"{prefix}.attn",
         )
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = tp_size
+        # a norm over the whole k projection needs each rank's own kv heads
+        assert tp_size == 1 or self.total_num_kv_heads % tp_size == 0
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] = None,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
-        positions: torch.Tensor | None = None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-
-        query_states = self.q_norm(self.q_proj(hidden_states))
-        key_states = self.k_norm(self.k_proj(hidden_states))
-        value_states = self.v_proj(hidden_states)
-
-        query_states = query_states.view(hidden_shape).transpose(1, 2)
-        key_states = key_states.view(hidden_shape).transpose(1, 2)
-        value_states = value_states.view(hidden_shape).transpose(1, 2)
-        query_states, key_states = self._vllm_rope(positions, query_states, key_states)
-
-        attn_output = vllm_attention(self.attn, query_states, key_states, value_states)
-
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
-        return attn_output, None
-
-    def _vllm_rope(self, positions, query, key):
-        # vLLM's rope takes [tokens, heads * head size]; the source holds
-        # [1, heads, tokens, head size]
-        tokens = positions.shape[-1]
-        q, k = (t.transpose(1, 2).reshape(tokens, -1) for t in (query, key))
+        self, positions: torch.Tensor, hidden_states: torch.Tensor
+    ) -> torch.Tensor:
+        # vLLM's layout: one row per token
+        shape = hidden_states.shape
+        hidden_states = hidden_states.reshape(-1, shape[-1])
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self._whole_projection_norm(self.q_norm, q)
+        k = self._whole_projection_norm(self.k_norm, k)
         q, k = self.rotary_emb(positions, q, k)
-        return tuple(
-            r.view(t.transpose(1, 2).shape).transpose(1, 2)
-            for r, t in ((q, query), (k, key))
-        )
+        attn_output = self.attn(q, k, v)
+        output, _ = self.o_proj(attn_output)
+        return output.view(*shape[:-1], -1)
+
+    def _whole_projection_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return norm(x)
+        x = norm(tensor_model_parallel_all_gather(x.contiguous()))
+        return split_tensor_along_last_dim(x, self.tp_size)[self.tp_rank].contiguous()
 
 
 class MiniMaxM2DecoderLayer(nn.Module):
@@ -336,13 +302,7 @@ class MiniMaxM2DecoderLayer(nn.Module):
         else:
             # the previous layer's residual add, fused into this norm
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            positions=positions,
-            **kwargs,
-        )
+        hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
         return hidden_states, residual
@@ -399,7 +359,6 @@ class MiniMaxM2Model(nn.Module):
         # vLLM runs every request's tokens as one sequence: a batch of one
         input_ids = input_ids[None] if input_ids is not None else None
         inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
-        position_ids = positions[None]
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
@@ -412,11 +371,7 @@ class MiniMaxM2Model(nn.Module):
             residual = None
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states, residual = decoder_layer(
-                hidden_states,
-                attention_mask=None,
-                position_ids=position_ids,
-                residual=residual,
-                positions=positions,
+                hidden_states, residual=residual, positions=positions
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors(
@@ -429,7 +384,7 @@ class MiniMaxM2Model(nn.Module):
 
 class MiniMaxM2ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {}
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
@@ -448,6 +403,11 @@ class MiniMaxM2ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
             re.compile(r"\.experts\.(\d+)\.w1\."): r".experts.\1.gate_proj.",
             re.compile(r"\.experts\.(\d+)\.w3\."): r".experts.\1.up_proj.",
             re.compile(r"\.experts\.(\d+)\.w2\."): r".experts.\1.down_proj.",
+        },
+        orig_to_new_stacked={
+            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
         },
     )
 

@@ -8,17 +8,20 @@
 # architecture:  GeneratedNanoChatForCausalLM -> NanoChatForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: norm (NanoChatModel) -> norm (RMSNorm, no weight)
+#   Fused: input_layernorm (NanoChatDecoderLayer) -> input_layernorm (RMSNorm, no weight)
+#   Fused: post_attention_layernorm (NanoChatDecoderLayer) -> post_attention_layernorm (RMSNorm, no weight)
+#   Fused: q_norm (NanoChatAttention) -> q_norm (RMSNorm, no weight)
+#   Fused: k_norm (NanoChatAttention) -> k_norm (RMSNorm, no weight)
 #   Fused: q_proj + k_proj + v_proj (NanoChatAttention) -> qkv_proj (QKVParallelLinear)
+#   Fused: residual add + input_layernorm (NanoChatDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
+#   Fused: residual add + post_attention_layernorm (NanoChatDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (NanoChatRotaryEmbedding): copied from the source
-#   Unfused: module (NanoChatRMSNorm): copied from the source (the weight is not applied as a multiply after the cast back)
-#   Unfused: decoder layer (NanoChatDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (NanoChatMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (NanoChatAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
-#   Refused: NanoChatRMSNorm (NanoChatRMSNorm): the weight is not applied as a multiply after the cast back
 #   Refused: gate/up projections (NanoChatMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: attention (NanoChatAttention): not vLLM's own layout: query (merged GEMM, head norm, rope): the fused form differs (max rel err 1.6e+00 > 1e-05)
 #   Refused: rotary embedding (NanoChatAttention): vLLM's rope computes something else (no head size, rotated dims, pair style and config rope parameters give the source's numbers)
-#   Refused: residual add + norm (NanoChatDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of NanoChatForCausalLM, generated from transformers/models/nanochat/modeling_nanochat.py."""
 
@@ -35,6 +38,7 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -80,21 +84,6 @@ def vllm_attention(
         value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
     out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
     return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
-
-
-class NanoChatRMSNorm(nn.Module):
-    def __init__(self, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-
-    def _norm(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-
-    def forward(self, x):
-        return self._norm(x.float()).type_as(x)
-
-    def extra_repr(self):
-        return f"eps={self.eps}"
 
 
 class NanoChatRotaryEmbedding(nn.Module):
@@ -225,8 +214,8 @@ class NanoChatAttention(nn.Module):
             return_bias=False,
         )
 
-        self.q_norm = NanoChatRMSNorm(eps=config.rms_norm_eps)
-        self.k_norm = NanoChatRMSNorm(eps=config.rms_norm_eps)
+        self.q_norm = RMSNorm(0, eps=config.rms_norm_eps, has_weight=False)
+        self.k_norm = RMSNorm(0, eps=config.rms_norm_eps, has_weight=False)
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -336,8 +325,10 @@ class NanoChatDecoderLayer(nn.Module):
             config, quant_config=quant_config, prefix=f"{prefix}.mlp"
         )
 
-        self.input_layernorm = NanoChatRMSNorm(eps=config.rms_norm_eps)
-        self.post_attention_layernorm = NanoChatRMSNorm(eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(0, eps=config.rms_norm_eps, has_weight=False)
+        self.post_attention_layernorm = RMSNorm(
+            0, eps=config.rms_norm_eps, has_weight=False
+        )
 
     def forward(
         self,
@@ -347,10 +338,15 @@ class NanoChatDecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+    ):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            # the previous layer's residual add, fused into this norm
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
@@ -359,14 +355,9 @@ class NanoChatDecoderLayer(nn.Module):
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        hidden_states = residual + hidden_states
-
-        # Fully Connected
-        residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
+        return hidden_states, residual
 
 
 @support_torch_compile
@@ -399,10 +390,10 @@ class NanoChatModel(nn.Module):
             ),
             prefix=f"{prefix}.layers",
         )
-        self.norm = NanoChatRMSNorm(eps=config.rms_norm_eps)
+        self.norm = RMSNorm(0, eps=config.rms_norm_eps, has_weight=False)
         self.rotary_emb = NanoChatRotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "residual"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -422,6 +413,7 @@ class NanoChatModel(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
+            residual = intermediate_tensors["residual"][None]
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
@@ -431,16 +423,21 @@ class NanoChatModel(nn.Module):
             hidden_states = self.norm(
                 hidden_states
             )  # Additional norm before the layers
+            residual = None
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states = decoder_layer(
+            hidden_states, residual = decoder_layer(
                 hidden_states,
                 attention_mask=None,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
+                residual=residual,
             )
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
-        hidden_states = self.norm(hidden_states)
+            return IntermediateTensors(
+                {"hidden_states": hidden_states[0], "residual": residual[0]}
+            )
+        # the last layer's residual add, fused into the final norm
+        hidden_states, _ = self.norm(hidden_states, residual)
         return (hidden_states)[0]
 
 

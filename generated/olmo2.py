@@ -8,11 +8,14 @@
 # architecture:  GeneratedOlmo2ForCausalLM -> Olmo2ForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: norm (Olmo2Model) -> norm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: post_attention_layernorm (Olmo2DecoderLayer) -> post_attention_layernorm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: post_feedforward_layernorm (Olmo2DecoderLayer) -> post_feedforward_layernorm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: q_norm (Olmo2Attention) -> q_norm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: k_norm (Olmo2Attention) -> k_norm (RMSNorm, weight in fp32, before the cast back)
 #   Fused: gate_proj + up_proj (Olmo2MLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: q_proj + k_proj + v_proj (Olmo2Attention) -> qkv_proj (QKVParallelLinear)
-#   Unfused: module (Olmo2RMSNorm): copied from the source (the weight is not applied as a multiply after the cast back)
 #   Unfused: decoder layer (Olmo2DecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Refused: Olmo2RMSNorm (Olmo2RMSNorm): the weight is not applied as a multiply after the cast back
 #   Refused: residual add + norm (Olmo2DecoderLayer): `hidden_states, _ = self.self_attn(` is not a norm of the saved stream
 # ======================================================================================
 """Native vLLM implementation of Olmo2ForCausalLM, generated from transformers/models/olmo2/modeling_olmo2.py."""
@@ -35,6 +38,7 @@ from vllm.distributed import (
 )
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -62,23 +66,6 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
-
-
-class Olmo2RMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return (self.weight * hidden_states).to(input_dtype)
-
-    def extra_repr(self):
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 class Olmo2Attention(nn.Module):
@@ -131,11 +118,15 @@ class Olmo2Attention(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
         )
-        self.q_norm = Olmo2RMSNorm(
-            config.num_attention_heads * self.head_dim, config.rms_norm_eps
+        self.q_norm = RMSNorm(
+            config.num_attention_heads * self.head_dim,
+            eps=config.rms_norm_eps,
+            dtype=torch.float32,
         )
-        self.k_norm = Olmo2RMSNorm(
-            config.num_key_value_heads * self.head_dim, config.rms_norm_eps
+        self.k_norm = RMSNorm(
+            config.num_key_value_heads * self.head_dim,
+            eps=config.rms_norm_eps,
+            dtype=torch.float32,
         )
         self.rotary_emb = get_rope(
             self.head_dim,
@@ -239,11 +230,11 @@ class Olmo2DecoderLayer(nn.Module):
         )
 
         self.mlp = Olmo2MLP(config, quant_config=quant_config, prefix=f"{prefix}.mlp")
-        self.post_attention_layernorm = Olmo2RMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
         )
-        self.post_feedforward_layernorm = Olmo2RMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
+        self.post_feedforward_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
         )
 
     def forward(
@@ -301,7 +292,9 @@ class Olmo2Model(nn.Module):
             prefix=f"{prefix}.layers",
         )
         if get_pp_group().is_last_rank:
-            self.norm = Olmo2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.norm = RMSNorm(
+                config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
+            )
         else:
             self.norm = PPMissingLayer()
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(

@@ -8,11 +8,14 @@
 # architecture:  GeneratedOlmo3ForCausalLM -> Olmo3ForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: norm (Olmo3Model) -> norm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: post_attention_layernorm (Olmo3DecoderLayer) -> post_attention_layernorm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: post_feedforward_layernorm (Olmo3DecoderLayer) -> post_feedforward_layernorm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: q_norm (Olmo3Attention) -> q_norm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: k_norm (Olmo3Attention) -> k_norm (RMSNorm, weight in fp32, before the cast back)
 #   Fused: gate_proj + up_proj (Olmo3MLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: q_proj + k_proj + v_proj (Olmo3Attention) -> qkv_proj (QKVParallelLinear)
-#   Unfused: module (Olmo3RMSNorm): copied from the source (the weight is not applied as a multiply after the cast back)
 #   Unfused: decoder layer (Olmo3DecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Refused: Olmo3RMSNorm (Olmo3RMSNorm): the weight is not applied as a multiply after the cast back
 #   Refused: residual add + norm (Olmo3DecoderLayer): `hidden_states, _ = self.self_attn(` is not a norm of the saved stream
 # ======================================================================================
 """Native vLLM implementation of Olmo3ForCausalLM, generated from transformers/models/olmo3/modeling_olmo3.py."""
@@ -35,6 +38,7 @@ from vllm.distributed import (
 )
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -62,23 +66,6 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
-
-
-class Olmo3RMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return (self.weight * hidden_states).to(input_dtype)
-
-    def extra_repr(self):
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 class Olmo3Attention(nn.Module):
@@ -131,11 +118,15 @@ class Olmo3Attention(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
         )
-        self.q_norm = Olmo3RMSNorm(
-            config.num_attention_heads * self.head_dim, config.rms_norm_eps
+        self.q_norm = RMSNorm(
+            config.num_attention_heads * self.head_dim,
+            eps=config.rms_norm_eps,
+            dtype=torch.float32,
         )
-        self.k_norm = Olmo3RMSNorm(
-            config.num_key_value_heads * self.head_dim, config.rms_norm_eps
+        self.k_norm = RMSNorm(
+            config.num_key_value_heads * self.head_dim,
+            eps=config.rms_norm_eps,
+            dtype=torch.float32,
         )
         self.attention_type = config.layer_types[layer_idx]
         self.sliding_window = (
@@ -245,11 +236,11 @@ class Olmo3DecoderLayer(nn.Module):
         )
 
         self.mlp = Olmo3MLP(config, quant_config=quant_config, prefix=f"{prefix}.mlp")
-        self.post_attention_layernorm = Olmo3RMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
         )
-        self.post_feedforward_layernorm = Olmo3RMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
+        self.post_feedforward_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
         )
 
     def forward(
@@ -307,7 +298,9 @@ class Olmo3Model(nn.Module):
             prefix=f"{prefix}.layers",
         )
         if get_pp_group().is_last_rank:
-            self.norm = Olmo3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.norm = RMSNorm(
+                config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
+            )
         else:
             self.norm = PPMissingLayer()
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(

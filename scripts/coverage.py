@@ -70,8 +70,10 @@ def committed_sources() -> dict[str, str]:
     }
 
 
-def run_one(name: str, backend: bool) -> dict:
-    """apply + verify (+ backend) for one modeling file, in this process."""
+def run_one(name: str, backend: bool, tp2: bool = True) -> dict:
+    """apply + verify (+ backend) for one modeling file, in this process; a verified
+    file verified again over two tensor-parallel ranks, its largest rank's share of
+    the layers' bytes measured from the running engine."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from codemods.apply import generate, output_path
     from codemods.errors import CodemodError
@@ -107,7 +109,14 @@ def run_one(name: str, backend: bool) -> dict:
         path.write_text(text)
         start = time.time()
         code, result = _safe_verify(str(path), backend=backend)
-    row["verify_s"] = round(time.time() - start, 1)
+        row["verify_s"] = round(time.time() - start, 1)
+        if tp2 and result.get("ok"):
+            _, at_tp2 = _safe_verify(str(path), tp=2)
+            row["tp2"] = {
+                k: at_tp2.get(k)
+                for k in ("ok", "rank_share", "max_abs_logprob_diff", "error")
+                if at_tp2.get(k) is not None
+            }
     row["verify"] = {k: v for k, v in result.items() if k != "backend"}
     row["backend"] = result.get("backend")
     row["status"] = "verified" if result.get("ok") else "failed"
@@ -139,6 +148,103 @@ def unverified_kinds(name: str, kinds: list[str] | None) -> list[str]:
         causal, branches.reachable_kinds(classes, causal.__name__, set(kinds))
     )
     return sorted(set(reachable) - set(kinds))
+
+
+# "Fused: q_proj + k_proj + v_proj (self_attn: Cls) -> qkv_proj (QKVParallelLinear)",
+# the backend's norms name their own class: "Fused: q_norm (Olmo2RMSNorm) -> RMSNorm"
+_BACKEND_LINE = re.compile(
+    r"(?:Fused: )?(?P<src>.+?) \((?:[\w.]+: )?(?P<cls>\w+)\) -> (?P<tgt>\S+)"
+)
+# "Fused: q_norm (Olmo2Attention) -> q_norm (RMSNorm, ...)"
+_OUR_LINE = re.compile(
+    r"Fused: (?P<src>.+?) \((?P<cls>\w+)\) -> (?P<tgt>\S+) \((?P<kind>[^,)(]+)"
+)
+
+
+def backend_misses(ours: list[str], backend: list[str]) -> list[tuple[str, str]]:
+    """(parts, class) of each `Fused:` part of the backend's that no `Fused:` line of
+    the generated file covers: a norm by its attribute, the experts by vLLM's fused MoE
+    layer, latent attention by vLLM's MLA layer, a projection merge by its class and
+    projections."""
+    mine = [m for m in map(_OUR_LINE.match, ours) if m]
+
+    def covered(part: re.Match) -> bool:
+        src, cls, tgt = part["src"], part["cls"], part["tgt"]
+        names = set(src.split(" + "))
+        if tgt in ("RMSNorm", "GemmaRMSNorm"):
+            return any(
+                m["kind"] in ("RMSNorm", "GemmaRMSNorm") and m["src"] == src
+                for m in mine
+            )
+        if tgt == "MoERunner":
+            return any(m["kind"] == "FusedMoE" for m in mine)
+        if tgt == "MLAAttention":
+            return any("LatentAttention" in m["kind"] for m in mine)
+        return any(
+            m["cls"] == cls
+            and (names <= set(m["src"].split(" + ")) or m["tgt"] == tgt)
+            and m["kind"] in ("QKVParallelLinear", "MergedColumnParallelLinear")
+            for m in mine
+        )
+
+    out = []
+    for line in backend:
+        if not line.startswith("Fused:"):
+            continue
+        for text in line.split("; "):  # MLA: the attention; then its merged down-proj
+            part = _BACKEND_LINE.match(text)
+            if part is not None and not covered(part):
+                out.append((part["src"], part["cls"]))
+    return out
+
+
+def backend_cell(row: dict) -> str:
+    """Whether the generated file fuses every part the backend fuses, or which not and
+    why (the generated file's refusal of that class, where it gave one)."""
+    b = row.get("backend") or {}
+    if not b.get("fused"):
+        return "-"
+    misses = backend_misses(row.get("fused", []), b["fused"])
+    if not misses:
+        return "all"
+    by_class: dict[str, list[str]] = {}
+    for src, cls in misses:
+        by_class.setdefault(cls, []).append(src)
+    why = []
+    for cls, parts in by_class.items():
+        reason = next(
+            (r.split("): ", 1)[-1] for r in row.get("refusals", []) if f"({cls})" in r),
+            "",
+        )
+        why.append(f"{', '.join(parts)} ({cls}){': ' + reason[:100] if reason else ''}")
+    return "misses " + "; ".join(why)
+
+
+SHARE_BOUND = 0.6  # a TP=2 rank holds at most this share of the layers' bytes
+
+
+def tp2_cell(row: dict) -> str:
+    """The largest TP=2 rank's share of the layers' bytes (embeddings and head aside);
+    above the bound, the parts the report says stay whole on every rank."""
+    t = row.get("tp2")
+    if not t:
+        return "-"
+    if not t.get("ok"):
+        diff = t.get("max_abs_logprob_diff")
+        return "FAIL: " + (t.get("error") or (f"max diff {diff:.1e}" if diff else ""))
+    share = t.get("rank_share")
+    if share is None:
+        return "ok"
+    if share <= SHARE_BOUND:
+        return f"{share:.2f}"
+    whole = [
+        u.split("(", 1)[1].split(")", 1)[0]
+        for u in row.get("unfused", [])
+        if u.startswith("Unfused: tensor parallel")
+    ]
+    return f"{share:.2f}: whole on every rank: " + (
+        ", ".join(whole) or "(none reported)"
+    )
 
 
 def layer_types_cell(verify: dict) -> str:
@@ -184,8 +290,8 @@ def markdown(
             else ""
         ),
         "",
-        "| file | model types | result | layout | fused / unfused | layer types verified | verify | backend | backend fused |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| file | model types | result | layout | fused / unfused | layer types verified | verify | TP=2 rank share | backend | backend fused | fuses what the backend fuses |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         types = ", ".join(files.get(r["file"], []))
@@ -218,8 +324,9 @@ def markdown(
             )
             result = r["status"]
             kinds = layer_types_cell(v)
+            share, parity = tp2_cell(r), backend_cell(r)
         else:
-            verify = backend = parts = bfused = kinds = "-"
+            verify = backend = parts = bfused = kinds = share = parity = "-"
             result = f"{r['status']}: {r.get('reason', '')}"
         lines.append(
             "| "
@@ -233,8 +340,10 @@ def markdown(
                     parts,
                     kinds,
                     verify[:200],
+                    share[:200],
                     backend[:200],
                     bfused,
+                    parity[:400],
                 )
             )
             + " |"
@@ -244,6 +353,13 @@ def markdown(
         '"fused / unfused" counts the generated file\'s `Fused:` and `Unfused:` report',
         'lines; "backend fused" counts the `Fused:` lines vLLM\'s Transformers backend',
         "logged for the same checkpoint. `benchmarks/coverage.json` has every line of both.",
+        '"fuses what the backend fuses": "all" when every part the backend fused is fused',
+        "in the generated file too (a norm by its attribute, a projection merge by its class",
+        "and projections, the experts, latent attention), else the parts it misses and the",
+        'generated file\'s refusal of them. "TP=2 rank share": the generated file verified',
+        "again over two tensor-parallel ranks, and the bytes its largest rank holds of the",
+        "layers outside the embeddings and head over transformers' (from the running",
+        f"engine); above {SHARE_BOUND} the row names the classes the report keeps whole on every rank.",
         '"layer types verified" lists the values every per-layer list took in the tiny',
         "configs verify ran (one layer on each side of every per-layer switch the source's",
         "constructors branch on); a config-wide switch (an RMSNorm or a LayerNorm) takes a",
@@ -258,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", help="comma-separated model types (default: all)")
     parser.add_argument("--no-backend", action="store_true")
+    parser.add_argument(
+        "--no-tp2", action="store_true", help="skip the second verify at TP=2"
+    )
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per file")
     parser.add_argument(
         "--batch",
@@ -279,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:  # worker: some files, one JSON row per line
         for name in args.worker.split(","):
-            print("ROW " + json.dumps(run_one(name, not args.no_backend)), flush=True)
+            row = run_one(name, not args.no_backend, not args.no_tp2)
+            print("ROW " + json.dumps(row), flush=True)
         return 0
 
     files = causal_lm_files()
@@ -311,8 +431,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def work(batch: list[str]) -> None:
         cmd = [sys.executable, __file__, "--worker", ",".join(batch)]
-        if args.no_backend:
-            cmd.append("--no-backend")
+        cmd += [
+            f
+            for f, on in (("--no-backend", args.no_backend), ("--no-tp2", args.no_tp2))
+            if on
+        ]
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
         )
@@ -358,10 +481,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.models and args.update:  # the rerun rows into the full table
         full = json.loads(OUT_JSON.read_text())
         rerun = {r["file"]: {**r, "rerun": True} for r in rows_list}
-        if args.no_backend:  # the backend's result does not depend on this toolkit
-            for old in full["rows"]:
-                if old["file"] in rerun:
+        for old in full["rows"]:  # what this rerun skipped, as the table had it
+            if old["file"] in rerun:
+                if (
+                    args.no_backend
+                ):  # the backend's result does not depend on this toolkit
                     rerun[old["file"]]["backend"] = old.get("backend")
+                if args.no_tp2 and old.get("tp2"):
+                    rerun[old["file"]]["tp2"] = old["tp2"]
         full["rows"] = [rerun.get(r["file"], r) for r in full["rows"]]
         full["rerun_seconds"] = full.get("rerun_seconds", 0) + seconds
         OUT_JSON.write_text(json.dumps(full, indent=1))

@@ -232,11 +232,10 @@ def _tp_styles(
     for n in model.roles.wanted:
         if n in fixed or n in skip or model.claimed_whole(n):
             continue
-        inst = model.first(n)
-        if inst is None:
+        kinds = _instance_kinds(model, n)
+        if not kinds:
             continue
-        call = model.call(inst)
-        inst = sharding.as_linears(inst)  # Conv1D: the linear the file builds
+        inst, call = kinds[0]
         plan = model.tp_plan.get(n)
         if not plan:
             plan = sharding.derive(inst, call, model.kept_linears)
@@ -257,12 +256,22 @@ def _tp_styles(
         heads = spec.head_attrs if spec else []
         sinks = spec.sinks if spec else None
         why = None
+
+        def proven(option, counted):  # on every kind of instance the model builds
+            for kind, kind_call in kinds:
+                if failed := sharding.prove(kind, option, counted, kind_call, sinks):
+                    return failed
+            return None
+
         for option in sharding.candidates(inst, plan):
-            failed = sharding.prove(inst, option, heads, call, sinks)
-            wide = _own(sharding.widths(inst, option, heads), model.source.text)
+            failed = proven(option, heads)
+            wide = sorted(
+                set().union(*(sharding.widths(k, option, heads) for k, _ in kinds))
+            )
+            wide = _own(wide, model.source.text)
             if failed is not None and wide:
                 # the class counts a sharded width whole: this rank's share, if proven
-                if sharding.prove(inst, option, heads + wide, call, sinks) is None:
+                if proven(option, heads + wide) is None:
                     failed, divided[n] = None, wide
             if failed is None:
                 why, plan = None, option
@@ -273,6 +282,23 @@ def _tp_styles(
         else:
             notes.append(Unfused(n, "tensor parallel", f"replicated: {why}"))
     return styles, notes, no_plan, divided
+
+
+def _instance_kinds(model: Model, cls: str) -> list[tuple[object, object]]:
+    """(instance, its call) for one instance of each structure the tiny model built of
+    `cls` (Gemma 4's kv-shared layers build no k/v projections), first one first; a
+    transformers `Conv1D` child seen as the linear the file builds."""
+    kinds: dict[tuple, tuple[object, object]] = {}
+    for _, inst in model.probe.instances.get(cls, []):
+        shape = tuple(
+            (name, type(child).__name__, tuple(getattr(child, "weight", ()).shape or ()))
+            if hasattr(getattr(child, "weight", None), "shape")
+            else (name, type(child).__name__)
+            for name, child in inst.named_children()
+        )
+        if shape not in kinds:
+            kinds[shape] = (sharding.as_linears(inst), model.call(inst))
+    return list(kinds.values())
 
 
 def _need_positions(model: Model) -> set[str]:

@@ -8,7 +8,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from ..base import ClassInfo, PatternRefused, code
-from ..emitting import indent, norm_construction, signature, translate_init
+from ..emitting import indent, signature, translate_init
 from ..rms_norm import NormSpec
 from .match import MERGED, MLASpec, linear_of
 
@@ -44,7 +44,7 @@ def _split_heads(expr: cst.BaseExpression, what: str) -> list[cst.BaseExpression
 def _norm(info: ClassInfo, attr: str, norms: dict[str, NormSpec]) -> str:
     for call in m.findall(info.attrs[attr], m.Call(func=m.Name())):
         if call.func.value in norms:
-            return norm_construction(norms[call.func.value], call)
+            return norms[call.func.value].construction(call)
     raise PatternRefused(
             f"self.{attr} is not a proven RMSNorm")
 

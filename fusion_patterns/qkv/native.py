@@ -18,7 +18,6 @@ import libcst.matchers as m
 from ..base import CLASS, Claim, ClassInfo, Pattern, PatternRefused, Refusal, code
 from ..emitting import (
     indent,
-    norm_construction,
     positions_call,
     returned_arity,
     signature,
@@ -237,7 +236,7 @@ def emit(
                 f'quant_config=quant_config, prefix=f"{{prefix}}.{attr}")'
             ]
         if norm := is_norm_call(value, norms):
-            return [f"self.{attr} = {norm_construction(norm, value)}"]
+            return [f"self.{attr} = {norm.construction(value)}"]
         return None
 
     body = translate_init(info, translate)

@@ -113,7 +113,7 @@ def _prove_numbers(
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
     from ..dataflow import require_close
-    from ..rms_norm import _vllm_norm
+    from ..rms_norm import vllm_twin
 
     hidden = call_kwargs["hidden_states"]
     tokens = hidden.shape[1]
@@ -168,11 +168,7 @@ def _prove_numbers(
                 continue
             theirs_norm = getattr(module, norm.attr)
             if norm.norm_class in proven_norms:
-                ours = _vllm_norm(
-                    norm.spec, head_dim, getattr(theirs_norm, norm.spec.eps_attr)
-                )
-                ours.weight.copy_(theirs_norm.weight)
-                apply = ours.forward_native
+                apply = vllm_twin(norm.spec, theirs_norm).forward_native
             else:  # emitted as the copied source class
                 apply = theirs_norm
             t = q if name == "q" else k

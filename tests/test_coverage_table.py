@@ -1,0 +1,71 @@
+"""The coverage table's comparison with vLLM's Transformers backend and its TP=2 cell,
+on report lines in the forms the backend and the generated files write them."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from conftest import REPO
+
+_spec = importlib.util.spec_from_file_location("coverage", REPO / "scripts" / "coverage.py")
+coverage = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(coverage)
+
+BACKEND = [
+    "Fused: q_proj + k_proj + v_proj (self_attn: OlmoAttention) -> qkv_proj (QKVParallelLinear)",
+    "Found: self_attn (OlmoAttention) -> attention interface",
+    "Fused: q_norm (OlmoRMSNorm) -> RMSNorm (CustomOp)",
+    "Fused: experts (OlmoExperts) -> MoERunner (external routing)",
+]
+
+
+def test_every_backend_part_fused_here_is_all():
+    ours = [
+        "Fused: q_proj + k_proj + v_proj (OlmoAttention) -> qkv_proj (QKVParallelLinear)",
+        "Fused: q_norm (OlmoAttention) -> q_norm (RMSNorm, weight in fp32, before the cast back)",
+        "Fused: gate_up_proj + down_proj (OlmoExperts) -> experts (FusedMoE, external routing)",
+    ]
+    assert coverage.backend_misses(ours, BACKEND) == []
+    row = {"fused": ours, "backend": {"fused": BACKEND}, "refusals": []}
+    assert coverage.backend_cell(row) == "all"
+
+
+def test_a_part_the_backend_fuses_and_this_file_does_not_is_named_with_its_refusal():
+    ours = [
+        # the norm of another attribute, the projections of another class
+        "Fused: k_norm (OlmoAttention) -> k_norm (RMSNorm)",
+        "Fused: q_proj + k_proj + v_proj (OtherAttention) -> qkv_proj (QKVParallelLinear)",
+        "Fused: gate_up_proj + down_proj (OlmoExperts) -> experts (FusedMoE, external routing)",
+    ]
+    assert coverage.backend_misses(ours, BACKEND) == [
+        ("q_proj + k_proj + v_proj", "OlmoAttention"),
+        ("q_norm", "OlmoRMSNorm"),
+    ]
+    row = {
+        "fused": ours,
+        "backend": {"fused": BACKEND},
+        "refusals": ["Refused: q/k/v projections (OlmoAttention): key_states is assigned twice"],
+    }
+    cell = coverage.backend_cell(row)
+    assert cell.startswith("misses q_proj + k_proj + v_proj (OlmoAttention): key_states")
+    assert "q_norm (OlmoRMSNorm)" in cell
+
+
+def test_a_packed_projection_is_covered_by_its_class_and_target():
+    backend = ["Fused: c_attn (attn: GPTBigCodeAttention) -> QKVParallelLinear"]
+    assert coverage.backend_misses([], backend) == [("c_attn", "GPTBigCodeAttention")]
+    ours = ["Fused: c_attn (GPTBigCodeAttention) -> c_attn (QKVParallelLinear, packed)"]
+    assert coverage.backend_misses(ours, backend) == []
+
+
+def test_the_tp2_cell_names_what_stays_whole_above_the_bound():
+    row = {
+        "tp2": {"ok": True, "rank_share": 0.91},
+        "unfused": [
+            "Unfused: tensor parallel (FalconAttention): replicated: self.dense (FalconLinear)",
+            "Unfused: module (FalconMLP): copied from the source",
+        ],
+    }
+    assert coverage.tp2_cell(row) == "0.91: whole on every rank: FalconAttention"
+    assert coverage.tp2_cell({"tp2": {"ok": True, "rank_share": 0.5}}) == "0.50"
+    assert coverage.tp2_cell({"tp2": {"ok": False, "error": "boom"}}) == "FAIL: boom"
