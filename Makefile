@@ -21,8 +21,10 @@ demo: install
 	$(PY) -m codemods.apply modeling_qwen3.py
 	$(PY) -m codemods.verify qwen3
 
+# two workers: one runs every test that starts a vLLM engine or spawns ranks, one at a
+# time; the engine-free tests share both (tests/conftest.py)
 test: install
-	$(PY) -m pytest -q --durations=40
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=40
 
 check: install
 	$(PY) -m codemods.apply modeling_qwen3.py --check

@@ -47,6 +47,11 @@ SIZES = {
     "qk_nope_head_dim": 64,
     "v_head_dim": 64,
 }
+# experts sized by `intermediate_size` (Mixtral, GPT-OSS): vLLM's CPU fused-MoE kernel
+# tiles the intermediate size by 32 per rank, unpadded for some activations (swigluoai),
+# so a multiple of 64 serves two ranks
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+EXPERT_INTERMEDIATE = 704
 # special token ids a config may hold, clamped into the tiny vocabulary
 TOKEN_IDS = (
     "bos_token_id",
@@ -139,6 +144,8 @@ def tiny_values(config_cls, overrides: dict | None = None) -> dict:
     alias = getattr(config_cls, "attribute_map", {}) or {}
     values = {alias.get(k, k): v for k, v in SIZES.items() if alias.get(k, k) in fields}
     fit_latent_attention(values, fields)
+    if "intermediate_size" in values and any(k in fields for k in EXPERT_COUNTS):
+        values["intermediate_size"] = EXPERT_INTERMEDIATE
     values.update(feature_values(config_cls))
     # sub-configs (DBRX's attn_config / ffn_config): their features too
     for name, sub_cls in (getattr(config_cls, "sub_configs", None) or {}).items():

@@ -295,3 +295,6 @@ class LoaderHook:
     methods: str
     weights: str = "{weights}"
     mapper: str = "{mapper}"
+    # its weights expression adds what it loads itself to `loaded` (a set
+    # `load_weights` returns with the loader's)
+    reports_loaded: bool = False

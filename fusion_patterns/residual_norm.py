@@ -305,7 +305,9 @@ def prove(spec: LayerSpec, layer, call=None) -> None:
     saved = {b.mixer: getattr(layer, b.mixer) for b in spec.blocks}
     try:
         for i, block in enumerate(spec.blocks):
-            object.__setattr__(layer, block.mixer, _StandIn(shape[-1], i, block.unpacks))
+            object.__setattr__(
+                layer, block.mixer, _StandIn(shape[-1], i, block.unpacks)
+            )
             layer._modules.pop(block.mixer, None)
         with torch.no_grad():
             x = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
@@ -347,7 +349,9 @@ class Fold:
     layer: LayerSpec
     stream: str  # the layer's hidden-states parameter
     saved: str  # the layer's name for the saved stream (its residual)
-    final_norm: str | None  # the base model's proven final norm, the last add folds into
+    final_norm: (
+        str | None
+    )  # the base model's proven final norm, the last add folds into
 
 
 class ResidualFold(Pattern):
@@ -451,7 +455,9 @@ def spec_of(fold: Fold) -> LayerSpec:
 
 
 def _fold(model, info: ClassInfo, spec: LayerSpec) -> Fold:
-    params = [p.name.value for p in info.forward.params.params if p.name.value != "self"]
+    params = [
+        p.name.value for p in info.forward.params.params if p.name.value != "self"
+    ]
     if not params:
         raise PatternRefused("forward takes no hidden states")
     body = [s for s in info.forward.body.body if not _docstring(s)]
@@ -475,7 +481,8 @@ def _saves(stmt, h: str) -> bool:
 
 def _loop_call(model, layer_stream: str) -> None:
     """The base model's loop hands each layer the stream and stores what it returns,
-    and reads the stream nowhere else (between layers it becomes the un-added output)."""
+    and reads the stream nowhere else (between layers it becomes the un-added output).
+    """
     base = model.roles.base
     loops = [
         s
@@ -509,14 +516,19 @@ def _final_norm(model, norms: set[str]) -> str | None:
     loops = [
         s
         for s in base.forward.body.body
-        if isinstance(s, cst.For) and m.findall(s.iter, self_attr(model.roles.layers_attr))
+        if isinstance(s, cst.For)
+        and m.findall(s.iter, self_attr(model.roles.layers_attr))
     ]
     if not loops:
-        raise PatternRefused(f"{base.name}.forward loops over its layers inside a block")
+        raise PatternRefused(
+            f"{base.name}.forward loops over its layers inside a block"
+        )
     after = list(base.forward.body.body)
     after = after[after.index(loops[0]) + 1 :]
     first = next(iter(after), None)
-    if first is None or not m.matches(first, _assign(m.Name(), m.Call(func=self_attr()))):
+    if first is None or not m.matches(
+        first, _assign(m.Name(), m.Call(func=self_attr()))
+    ):
         return None
     attr = first.body[0].value.func.attr.value
     return attr if base.constructed_class(attr) in norms else None

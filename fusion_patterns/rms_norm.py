@@ -349,16 +349,19 @@ def _check_form(spec: NormSpec, module, form: str) -> None:
 
 def prove(spec: NormSpec, modules) -> NormSpec:
     """The spec with the form every instance in `modules` computes (one form for the
-    weighted instances, vLLM's weightless norm for the others); PatternRefused if none."""
+    weighted instances, vLLM's weightless norm for the others); PatternRefused if none.
+    """
     from .dataflow import trace
 
     found: str | None = None
     for module in modules:
         graph = trace(module)
         ops = {
-            str(n.target)
-            if n.op != "call_function"
-            else getattr(n.target, "__name__", "")
+            (
+                str(n.target)
+                if n.op != "call_function"
+                else getattr(n.target, "__name__", "")
+            )
             for n in graph.nodes
         }
         for needed in ("pow", "mean"):
@@ -369,7 +372,9 @@ def prove(spec: NormSpec, modules) -> NormSpec:
             _check_form(spec, module, NO_WEIGHT)
             continue
         if weight.dim() != 1:
-            raise PatternRefused(f"its weight is {weight.dim()}-D, vLLM's is one vector")
+            raise PatternRefused(
+                f"its weight is {weight.dim()}-D, vLLM's is one vector"
+            )
         if found is not None:
             _check_form(spec, module, found)
             continue

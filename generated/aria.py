@@ -11,33 +11,33 @@
 #   Fused: norm (AriaTextModel) -> norm (RMSNorm)
 #   Fused: input_layernorm (AriaTextDecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (AriaTextDecoderLayer) -> post_attention_layernorm (RMSNorm)
+#   Fused: gate_up_proj + down_proj (AriaExperts) -> experts (FusedMoE, external routing: the block's own router picks the experts, in self.mlp.experts)
 #   Fused: gate_proj + up_proj (AriaSharedExpertsMLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
 #   Fused: q_proj + k_proj + v_proj (AriaTextAttention) -> qkv_proj (QKVParallelLinear)
 #   Fused: residual add + input_layernorm (AriaTextDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (AriaTextDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (AriaTextMoELayer): copied from the source (no experts class matched)
-#   Unfused: module (AriaExperts): copied from the source (their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert)
 #   Unfused: module (AriaTextTopKRouter): copied from the source
-#   Unfused: torch.compile (AriaTextModel): off: AriaExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (AriaTextMoELayer): no experts class matched
-#   Refused: experts (the source's router) (AriaExperts): their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert
 # ======================================================================================
 """Native vLLM implementation of AriaTextForCausalLM, generated from transformers/models/aria/modeling_aria.py."""
 
 from collections.abc import Iterable
 from copy import copy as shallow_copy
+from functools import partial
 from itertools import islice
 
 import torch
 from torch import nn
 
-from transformers.activations import ACT2FN
 from transformers.core_model_loading import WeightRenaming
 
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
@@ -55,6 +55,10 @@ from vllm.model_executor.models.interfaces import (
     SupportsLoRA,
     SupportsPP,
     SupportsQuant,
+)
+from vllm.model_executor.models.transformers.moe import (
+    TransformersMoERunner,
+    TransformersMoEState,
 )
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
@@ -129,58 +133,34 @@ class AriaTextTopKRouter(nn.Module):
         return top_k_index, top_k_weights, router_logits
 
 
-class AriaExperts(nn.Module):
-    """Collection of expert weights stored as 3D tensors.
+def AriaExperts(
+    config, quant_config: QuantizationConfig | None = None, prefix: str = ""
+):
+    """AriaExperts as vLLM's fused MoE layer, routed externally: the block's own
+    router (the source's) picks the experts and hands over their ids and weights."""
+    state = TransformersMoEState()
 
-    Aria's checkpoints store each expert's projections as (in_features, out_features), i.e. the layout
-    `grouped_mm` consumes directly, hence `is_transposed=True`.
-    """
+    def chosen_by_the_source(
+        hidden_states, gating_output, topk, renormalize, moe_state
+    ):
+        # `gating_output` is the source router's top-k weights; the ids were stored
+        # by the runner's forward
+        return gating_output, moe_state.topk_ids
 
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.num_experts = config.moe_num_experts
-        self.hidden_dim = config.hidden_size
-        self.intermediate_dim = config.intermediate_size
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(self.num_experts, self.hidden_dim, 2 * self.intermediate_dim)
-        )
-        self.down_proj = nn.Parameter(
-            torch.empty(self.num_experts, self.intermediate_dim, self.hidden_dim)
-        )
-        # The routed experts are always SiLU-gated, unlike the shared experts which follow `config.hidden_act`.
-        self.act_fn = ACT2FN["silu"]
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-    ) -> torch.Tensor:
-        final_hidden_states = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            expert_mask = nn.functional.one_hot(
-                top_k_index, num_classes=self.num_experts + 1
-            )
-            expert_mask = expert_mask.permute(2, 1, 0)
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-
-        for expert_idx in expert_hit:
-            expert_idx = expert_idx[0]
-            if expert_idx == self.num_experts:
-                continue
-            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-            current_state = hidden_states[token_idx]
-            gate, up = (current_state @ self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
-            current_hidden_states = self.act_fn(gate) * up
-            current_hidden_states = current_hidden_states @ self.down_proj[expert_idx]
-            current_hidden_states = (
-                current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
-            )
-            final_hidden_states.index_add_(
-                0, token_idx, current_hidden_states.to(final_hidden_states.dtype)
-            )
-
-        return final_hidden_states
+    return FusedMoEFactory(
+        num_experts=config.moe_num_experts,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        activation="silu",
+        is_fused_checkpoint_transposed=True,
+        top_k=config.moe_topk,
+        renormalize=False,
+        custom_routing_function=partial(chosen_by_the_source, moe_state=state),
+        runner_cls=TransformersMoERunner,
+        runner_args={"moe_state": state},
+        quant_config=quant_config,
+        prefix=prefix,
+    )
 
 
 class AriaTextMoELayer(nn.Module):
@@ -191,7 +171,9 @@ class AriaTextMoELayer(nn.Module):
     ):
         super().__init__()
         self.router = AriaTextTopKRouter(config)
-        self.experts = AriaExperts(config)
+        self.experts = AriaExperts(
+            config, quant_config=quant_config, prefix=f"{prefix}.experts"
+        )
         self.shared_experts = AriaSharedExpertsMLP(
             config, quant_config=quant_config, prefix=f"{prefix}.shared_experts"
         )
@@ -360,6 +342,7 @@ class AriaTextDecoderLayer(nn.Module):
         return hidden_states, residual
 
 
+@support_torch_compile
 class AriaTextModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

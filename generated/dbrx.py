@@ -11,7 +11,7 @@
 #   Fused: apply_rotary_pos_emb (DbrxAttention) -> rotary_emb (get_rope, NeoX halves)
 #   Unfused: decoder layer (DbrxBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (DbrxFFN): copied from the source
-#   Unfused: module (DbrxExperts): copied from the source (their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert)
+#   Unfused: module (DbrxExperts): copied from the source (their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert, nor are they stacked [experts, hidden, 2 * intermediate] beside [experts, intermediate, hidden])
 #   Unfused: module (DbrxExpertGLU): copied from the source
 #   Unfused: module (DbrxRouter): copied from the source
 #   Unfused: module (DbrxNormAttentionNorm): copied from the source
@@ -20,7 +20,7 @@
 #   Unfused: tensor parallel (DbrxAttention): replicated: sharded over 2 ranks it fails (ValueError: self.num_key_value_heads = 1 heads, not divisible by 2)
 #   Unfused: tensor parallel (DbrxRouter): replicated on every rank: layer (transformers' TP plan has no entry for them, and their dataflow gives none: no linear feeds another on the way to its output)
 #   Unfused: torch.compile (DbrxModel): off: DbrxExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
-#   Refused: experts (the source's router) (DbrxExperts): their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert
+#   Refused: experts (the source's router) (DbrxExperts): their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert, nor are they stacked [experts, hidden, 2 * intermediate] beside [experts, intermediate, hidden]
 #   Refused: q/k/v projections (DbrxAttention): `query_states` between a projection and attention
 #   Refused: residual add + norm (DbrxBlock): `resid_states, hidden_states = self.norm_attn_norm(` does not save the residual stream
 # ======================================================================================

@@ -21,7 +21,7 @@
 #   Fused: residual add + input_layernorm (ExaoneMoeDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (ExaoneMoeDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: attention (ExaoneMoeAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window if self.is_sliding else None)
-#   Refused: attention (ExaoneMoeAttention): not vLLM's own layout: query (merged GEMM, head norm, rope): the fused form differs (max rel err 1.7e+00 > 1e-05)
+#   Refused: attention (ExaoneMoeAttention): not vLLM's own layout: query (merged GEMM, head norm, rope): the fused form differs (max rel err 1.6e+00 > 1e-05)
 # ======================================================================================
 """Native vLLM implementation of ExaoneMoeForCausalLM, generated from transformers/models/exaone_moe/modeling_exaone_moe.py."""
 

@@ -11,31 +11,32 @@
 #   Fused: norm (GptOssModel) -> norm (RMSNorm, weight in fp32, before the cast back)
 #   Fused: input_layernorm (GptOssDecoderLayer) -> input_layernorm (RMSNorm, weight in fp32, before the cast back)
 #   Fused: post_attention_layernorm (GptOssDecoderLayer) -> post_attention_layernorm (RMSNorm, weight in fp32, before the cast back)
+#   Fused: gate_up_proj + down_proj (GptOssExperts) -> experts (FusedMoE, external routing: the block's own router picks the experts, in self.mlp.experts)
 #   Fused: q_proj + k_proj + v_proj (GptOssAttention) -> qkv_proj (QKVParallelLinear)
 #   Fused: apply_rotary_pos_emb (GptOssAttention) -> rotary_emb (get_rope, NeoX halves)
 #   Fused: residual add + input_layernorm (GptOssDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (GptOssDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (GptOssMLP): copied from the source (no experts class matched)
-#   Unfused: module (GptOssExperts): copied from the source (their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert)
 #   Unfused: module (GptOssTopKRouter): copied from the source
 #   Unfused: attention (GptOssAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window, sinks=self.sinks)
-#   Unfused: torch.compile (GptOssModel): off: GptOssExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: router + experts (GptOssMLP): no experts class matched
-#   Refused: experts (the source's router) (GptOssExperts): their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert
 #   Refused: attention (GptOssAttention): not vLLM's own layout: attention sinks
 # ======================================================================================
 """Native vLLM implementation of GptOssForCausalLM, generated from transformers/models/gpt_oss/modeling_gpt_oss.py."""
 
 from collections.abc import Iterable
 from copy import copy as shallow_copy
+from functools import partial
 from itertools import islice
 
 import torch
 from torch import nn
 
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -47,10 +48,15 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
+from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts
 from vllm.model_executor.models.interfaces import (
     SupportsLoRA,
     SupportsPP,
     SupportsQuant,
+)
+from vllm.model_executor.models.transformers.moe import (
+    TransformersMoERunner,
+    TransformersMoEState,
 )
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
@@ -81,72 +87,41 @@ def vllm_attention(
     return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
 
 
-class GptOssExperts(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.num_experts = config.num_local_experts
-        self.hidden_size = config.hidden_size
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(self.num_experts, self.hidden_size, 2 * self.intermediate_size)
+def GptOssExperts(
+    config, quant_config: QuantizationConfig | None = None, prefix: str = ""
+):
+    """GptOssExperts as vLLM's fused MoE layer, routed externally: the block's own
+    router (the source's) picks the experts and hands over their ids and weights."""
+    # vLLM's fused swigluoai computes these values only (proven at them)
+    if (config.swiglu_alpha, config.swiglu_limit) != (1.702, 7.0):
+        raise ValueError(
+            "GptOssExperts: vLLM's fused swigluoai computes "
+            "swiglu_alpha=1.702, swiglu_limit=7.0 only"
         )
-        self.gate_up_proj_bias = nn.Parameter(
-            torch.empty(self.num_experts, 2 * self.intermediate_size)
-        )
-        self.down_proj = nn.Parameter(
-            torch.empty((self.num_experts, self.intermediate_size, self.hidden_size))
-        )
-        self.down_proj_bias = nn.Parameter(
-            torch.empty(self.num_experts, self.hidden_size)
-        )
-        self.alpha = config.swiglu_alpha
-        self.limit = config.swiglu_limit
+    state = TransformersMoEState()
 
-    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-        gate = gate.clamp(min=None, max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        glu = gate * torch.sigmoid(gate * self.alpha)
-        gated_output = (up + 1) * glu
-        return gated_output
+    def chosen_by_the_source(
+        hidden_states, gating_output, topk, renormalize, moe_state
+    ):
+        # `gating_output` is the source router's top-k weights; the ids were stored
+        # by the runner's forward
+        return gating_output, moe_state.topk_ids
 
-    def forward(
-        self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None
-    ) -> torch.Tensor:
-        next_states = torch.zeros_like(
-            hidden_states, dtype=hidden_states.dtype, device=hidden_states.device
-        )
-        with torch.no_grad():
-            expert_mask = torch.nn.functional.one_hot(
-                router_indices, num_classes=self.num_experts
-            )  # masking is also a class
-            expert_mask = expert_mask.permute(2, 1, 0)
-            # we sum on the top_k and on the sequence length to get which experts
-            # are hit this time around
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-        for expert_idx in expert_hit:
-            # expert_idx only have 1 element, so we can use scale for fast indexing
-            expert_idx = expert_idx[0]
-            # skip masking index
-            if expert_idx == self.num_experts:
-                continue
-            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-            current_state = hidden_states[token_idx]
-            gate_up = (
-                current_state @ self.gate_up_proj[expert_idx]
-                + self.gate_up_proj_bias[expert_idx]
-            )
-            gated_output = self._apply_gate(gate_up)
-            out = (
-                gated_output @ self.down_proj[expert_idx]
-                + self.down_proj_bias[expert_idx]
-            )
-            weighted_output = out * routing_weights[token_idx, top_k_pos, None]
-            next_states.index_add_(
-                0, token_idx, weighted_output.to(hidden_states.dtype)
-            )
-
-        return next_states
+    return FusedMoEFactory(
+        num_experts=config.num_local_experts,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        activation="swigluoai",
+        has_bias=True,
+        routed_experts_cls=GptOssRoutedExperts,
+        top_k=config.num_experts_per_tok,
+        renormalize=False,
+        custom_routing_function=partial(chosen_by_the_source, moe_state=state),
+        runner_cls=TransformersMoERunner,
+        runner_args={"moe_state": state},
+        quant_config=quant_config,
+        prefix=prefix,
+    )
 
 
 class GptOssTopKRouter(nn.Module):
@@ -172,10 +147,14 @@ class GptOssTopKRouter(nn.Module):
 
 
 class GptOssMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(
+        self, config, quant_config: QuantizationConfig | None = None, prefix: str = ""
+    ):
         super().__init__()
         self.router = GptOssTopKRouter(config)
-        self.experts = GptOssExperts(config)
+        self.experts = GptOssExperts(
+            config, quant_config=quant_config, prefix=f"{prefix}.experts"
+        )
 
     def forward(self, hidden_states):
         batch_size, sequence_length, hidden_dim = hidden_states.shape
@@ -325,7 +304,7 @@ class GptOssDecoderLayer(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.self_attn",
         )
-        self.mlp = GptOssMLP(config)
+        self.mlp = GptOssMLP(config, quant_config=quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(
             config.hidden_size, eps=config.rms_norm_eps, dtype=torch.float32
         )
@@ -364,6 +343,7 @@ class GptOssDecoderLayer(nn.Module):
         return hidden_states, residual
 
 
+@support_torch_compile
 class GptOssModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -525,4 +505,46 @@ class GptOssForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        loaded: set[str] = set()
+        return (
+            loader.load_weights(
+                self._interleaved_experts(weights, loaded),
+                mapper=self.hf_to_vllm_mapper,
+            )
+            | loaded
+        )
+
+    # the interleaved experts' stacked tensors, as the source holds them ([experts,
+    # hidden, 2 * intermediate], gate and up alternating; biases) -> vLLM's fused MoE
+    # layer, one expert at a time through its own loader for this layout, which takes
+    # this rank's share of the interleaved rows (or, under expert parallelism, its
+    # experts) and transposes them
+    interleaved_experts = {
+        "gate_up_proj": ("w13_weight", "gpt_oss_w13"),
+        "down_proj": ("w2_weight", "gpt_oss_w2"),
+        "gate_up_proj_bias": ("w13_bias", "gpt_oss_w13"),
+        "down_proj_bias": ("w2_bias", "gpt_oss_w2"),
+    }
+
+    def _interleaved_experts(self, weights, loaded: set[str]):
+        for name, tensor in weights:
+            owner, _, param_name = name.rpartition(".")
+            target = self.interleaved_experts.get(param_name)
+            if target is None or not owner.endswith(".experts"):
+                yield name, tensor
+                continue
+            try:
+                layer = self.get_submodule(owner)
+            except AttributeError:  # a layer of another pipeline stage
+                continue
+            param = getattr(layer.routed_experts, target[0])
+            for expert, one in enumerate(tensor):
+                param.weight_loader(
+                    param,
+                    one,
+                    weight_name=f"{owner}.routed_experts.{target[0]}",
+                    shard_id=target[1],
+                    expert_id=expert,
+                    return_success=True,
+                )
+            loaded.add(f"{owner}.routed_experts.{target[0]}")

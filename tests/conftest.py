@@ -23,6 +23,19 @@ os.environ.setdefault("CODEMODS_NO_AMX", "1")
 FULL_SWEEP = os.environ.get("CODEMODS_SWEEP") == "1"
 
 
+# Tests that start vLLM engines or spawn tensor-parallel ranks run on one xdist worker,
+# one at a time (`make test`: `pytest -n 2 --dist loadgroup`); the engine-free tests
+# share the other worker and this one's idle time.
+SPAWNS_RANKS = {"test_tp_weights", "test_faithful_tp_weights"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("engine") or item.module.__name__ in SPAWNS_RANKS:
+            item.add_marker(pytest.mark.xdist_group("engine"))
+
+
 def run_cli(
     *args: str, cwd: Path = REPO, timeout: int = 900
 ) -> subprocess.CompletedProcess:

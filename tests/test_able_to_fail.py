@@ -196,8 +196,9 @@ MUTATIONS += [
 ]
 
 # the classes of bug no copy above plants: stacked shard ids, the activation, rope
-# style and theta, norm eps, Gemma's `1 + w`, router top-k and scoring, the weights an
-# external router hands the fused experts, attention sinks
+# style and theta, norm eps, Gemma's `1 + w`, router top-k and scoring, the weights and
+# the ids an external router hands the fused experts, attention sinks, the clamp of
+# GPT-OSS's gate
 BUG_CLASSES = [
     (
         "qwen3",
@@ -254,10 +255,22 @@ BUG_CLASSES = [
         "return torch.ones_like(gating_output), moe_state.topk_ids",
     ),
     (
+        "afmoe",
+        "top-k ids off by one expert",
+        "return gating_output, moe_state.topk_ids",
+        "return gating_output, (moe_state.topk_ids + 1) % config.num_experts",
+    ),
+    (
         "gpt_oss",
         "attention sinks dropped",
         "sinks=self.sinks,",
         "sinks=None,",
+    ),
+    (
+        "gpt_oss",
+        "the clamped interleaved gate run as plain silu",
+        'activation="swigluoai",',
+        'activation="silu",',
     ),
 ]
 

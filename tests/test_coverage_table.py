@@ -7,7 +7,9 @@ import importlib.util
 
 from conftest import REPO
 
-_spec = importlib.util.spec_from_file_location("coverage", REPO / "scripts" / "coverage.py")
+_spec = importlib.util.spec_from_file_location(
+    "coverage", REPO / "scripts" / "coverage.py"
+)
 coverage = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(coverage)
 
@@ -44,10 +46,14 @@ def test_a_part_the_backend_fuses_and_this_file_does_not_is_named_with_its_refus
     row = {
         "fused": ours,
         "backend": {"fused": BACKEND},
-        "refusals": ["Refused: q/k/v projections (OlmoAttention): key_states is assigned twice"],
+        "refusals": [
+            "Refused: q/k/v projections (OlmoAttention): key_states is assigned twice"
+        ],
     }
     cell = coverage.backend_cell(row)
-    assert cell.startswith("misses q_proj + k_proj + v_proj (OlmoAttention): key_states")
+    assert cell.startswith(
+        "misses q_proj + k_proj + v_proj (OlmoAttention): key_states"
+    )
     assert "q_norm (OlmoRMSNorm)" in cell
 
 

@@ -57,13 +57,17 @@ def _call(text: str) -> cst.Call:
 def _random(module: torch.nn.Module) -> torch.nn.Module:
     with torch.no_grad():
         for p in module.parameters():
-            p.copy_(1 + 0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+            p.copy_(
+                1
+                + 0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3))
+            )
     return module
 
 
 def test_weight_before_the_cast_is_vllms_norm_with_an_fp32_weight():
     """OLMo 2 multiplies by the weight in fp32 and casts after: vLLM's RMSNorm with an
-    fp32 weight gives its bf16 bits exactly; vLLM's usual (bf16-weight) norm does not."""
+    fp32 weight gives its bf16 bits exactly; vLLM's usual (bf16-weight) norm does not.
+    """
     spec, cls = _spec_and_class("modeling_olmo2.py", "Olmo2RMSNorm")
     proven = rms_norm.prove(spec, [_random(cls(64, eps=1e-6))])
     assert proven.form == rms_norm.FP32_WEIGHT
@@ -74,7 +78,9 @@ def test_weight_before_the_cast_is_vllms_norm_with_an_fp32_weight():
     ours = _built(text, torch.bfloat16)
     assert ours.weight.dtype == torch.float32
     ours.weight.data.copy_(theirs.weight)
-    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(4)).to(
+        torch.bfloat16
+    )
     with torch.no_grad():
         want = theirs(x)
         assert torch.equal(ours.forward_native(x), want)
@@ -113,7 +119,9 @@ def test_a_weight_built_under_an_argument_follows_each_construction():
     )
     assert proven.form == rms_norm.FP32_WEIGHT
     assert proven.construction(
-        _call("Gemma4UnifiedRMSNorm(self.head_dim, eps=config.rms_norm_eps, with_scale=False)")
+        _call(
+            "Gemma4UnifiedRMSNorm(self.head_dim, eps=config.rms_norm_eps, with_scale=False)"
+        )
     ) == ("RMSNorm(0, eps=config.rms_norm_eps, has_weight=False)")
     assert proven.construction(
         _call("Gemma4UnifiedRMSNorm(dim=self.head_dim, eps=config.rms_norm_eps)")

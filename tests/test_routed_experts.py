@@ -100,3 +100,79 @@ def test_experts_handed_weights_before_ids_stay_the_sources(tmp_path):
     assert not experts_lines(plan, "Fused:")
     assert f"class {EXPERTS}(nn.Module)" in text
     assert any(line.startswith("Unfused: torch.compile") for line in plan.report())
+
+
+# --- experts stacked [E, H, 2I], applied as x @ W (transposed.py) ------------------
+
+
+def test_gpt_oss_interleaved_clamped_experts_are_vllms_swigluoai():
+    """GPT-OSS: gate/up interleaved, biased, clamped: vLLM's fused swigluoai, loaded per
+    expert through vLLM's loader for that layout; the loop and the eager run gone."""
+    plan, text = generate("modeling_gpt_oss.py")
+    [fused] = [
+        line
+        for line in plan.report()
+        if line.startswith("Fused:") and "(GptOssExperts)" in line
+    ]
+    assert "-> experts (FusedMoE, external routing" in fused
+    factory = ast.unparse(
+        next(
+            n
+            for n in ast.parse(text).body
+            if isinstance(n, ast.FunctionDef) and n.name == "GptOssExperts"
+        )
+    )
+    for arg in (
+        "activation='swigluoai'",
+        "has_bias=True",
+        "routed_experts_cls=GptOssRoutedExperts",
+    ):
+        assert arg in factory, arg
+    assert "(config.swiglu_alpha, config.swiglu_limit) != (1.702, 7.0)" in factory
+    assert "def _interleaved_experts(" in text and "| loaded" in text
+    assert ".nonzero()" not in text and "@support_torch_compile" in text
+
+
+def test_the_generated_factory_refuses_a_clamp_vllm_does_not_compute():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from generated.gpt_oss import GptOssExperts
+
+    with pytest.raises(ValueError, match="swiglu_limit=7.0 only"):
+        GptOssExperts(SimpleNamespace(swiglu_alpha=1.702, swiglu_limit=5.0))
+
+
+def test_experts_without_the_clamp_on_up_are_refused(tmp_path):
+    edited = edited_modeling_file(
+        tmp_path,
+        "modeling_gpt_oss.py",
+        "up = up.clamp(min=-self.limit, max=self.limit)",
+        "up = up.clamp(min=None, max=self.limit)",
+    )
+    plan, text = generate(str(edited), trust_remote_code=True)
+    [refused] = [
+        line
+        for line in plan.report()
+        if line.startswith("Refused:") and "(GptOssExperts)" in line
+    ]
+    assert "neither layout computes them" in refused
+    assert "class GptOssExperts(nn.Module)" in text
+
+
+def test_aria_transposed_halves_are_vllms_stacked_experts_read_transposed():
+    plan, text = generate("modeling_aria.py")
+    assert any(
+        line.startswith("Fused:") and "(AriaExperts)" in line for line in plan.report()
+    )
+    factory = ast.unparse(
+        next(
+            n
+            for n in ast.parse(text).body
+            if isinstance(n, ast.FunctionDef) and n.name == "AriaExperts"
+        )
+    )
+    assert "activation='silu'" in factory
+    assert "is_fused_checkpoint_transposed=True" in factory
+    assert "_interleaved_experts" not in text

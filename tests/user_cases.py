@@ -12,6 +12,7 @@ import json
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -62,6 +63,12 @@ def architecture(spec: dict, workdir: Path) -> str:
     return arch
 
 
+def linears(spec: dict) -> tuple[str, ...]:
+    """The names of layer 0's linears the case reports (a file whose linears keep the
+    source's names lists them)."""
+    return tuple(spec.get("linears", LAYER0))
+
+
 def generate(llm, prompts, lora=None, prompt_logprobs=True):
     """`engine.greedy` as an EngineResult. With a LoRA adapter only the generated
     positions: vLLM's CPU LoRA logits path cannot return prompt logprobs (an einsum
@@ -70,11 +77,11 @@ def generate(llm, prompts, lora=None, prompt_logprobs=True):
     return engine.EngineResult("", tokens, logprobs)
 
 
-def layer0_modules(model) -> dict:
+def layer0_modules(model, linears=LAYER0) -> dict:
     """{name: (wrapper class, quant scheme, kernel)} of layer 0's linears."""
     out = {}
     for name, module in model.named_modules():
-        if ".layers.0." in name and name.rsplit(".", 1)[-1] in LAYER0:
+        if ".layers.0." in name and name.rsplit(".", 1)[-1] in linears:
             scheme = getattr(module, "scheme", None)
             kernel = getattr(scheme, "kernel", None)
             out[name.split(".layers.0.", 1)[1]] = [
@@ -99,13 +106,12 @@ def quantized(spec: dict, tmp: Path) -> dict:
     )
     tensors = uc.load_file(tmp / "w8a8" / "model.safetensors")
     # layer 0's fused linears on one input, against the dequantized shards they hold
+    layer = spec.get("layer", "model.layers.0")
     expected = {}
     x_by_width = {}
     for fused, shards in spec["layer0"].items():
-        weight = torch.cat(
-            [dequantized[f"model.layers.0.{s}.weight"] for s in shards], dim=0
-        )
-        biases = [tensors.get(f"model.layers.0.{s}.bias") for s in shards]
+        weight = torch.cat([dequantized[f"{layer}.{s}.weight"] for s in shards], dim=0)
+        biases = [tensors.get(f"{layer}.{s}.bias") for s in shards]
         bias = torch.cat(biases) if all(b is not None for b in biases) else None
         x = x_by_width.setdefault(
             weight.shape[1],
@@ -117,7 +123,7 @@ def quantized(spec: dict, tmp: Path) -> dict:
     def layer_errors(vllm_model) -> dict:
         errors = {}
         for fused, (x, want) in expected.items():
-            module = vllm_model.get_submodule(f"model.layers.0.{fused}")
+            module = vllm_model.get_submodule(f"{layer}.{fused}")
             with torch.no_grad():
                 got = module(x)
             got = got[0] if isinstance(got, tuple) else got
@@ -127,7 +133,7 @@ def quantized(spec: dict, tmp: Path) -> dict:
     max_diff, tokens_equal = compare(prompts, ref, ran)
     return {
         "impl": llm.apply_model(engine.model_class_name)[0],
-        "layers": llm.apply_model(layer0_modules)[0],
+        "layers": llm.apply_model(partial(layer0_modules, linears=linears(spec)))[0],
         "layer_rel_error": llm.apply_model(layer_errors)[0],
         "max_abs_logprob_diff": max_diff,
         "tokens_equal": tokens_equal,
@@ -159,7 +165,7 @@ def lora(spec: dict, tmp: Path) -> dict:
     )
     return {
         "impl": llm.apply_model(engine.model_class_name)[0],
-        "layers": llm.apply_model(layer0_modules)[0],
+        "layers": llm.apply_model(partial(layer0_modules, linears=linears(spec)))[0],
         "base": compare(prompts, ref_base, base, prompt_positions=False),
         "adapter": compare(prompts, ref_adapter, with_adapter, prompt_positions=False),
         "adapter_vs_base_model": compare(

@@ -235,6 +235,7 @@ def _loading(model: Model, plan: Plan) -> Loading:
         if hook is None or hook.methods in loading.methods:
             continue
         loading.methods += hook.methods
+        loading.reports_loaded |= hook.reports_loaded
         loading.weights = hook.weights.format(weights=loading.weights)
         loading.mapper_expr = hook.mapper.format(mapper=loading.mapper_expr)
     return loading

@@ -49,15 +49,23 @@ class Loading:
     stacked: bool = False
     weights: str = "weights"
     mapper_expr: str = "self.hf_to_vllm_mapper"
+    # a hook's weights expression adds what it loads itself to `loaded`
+    reports_loaded: bool = False
 
     def body(self) -> str:
+        lines = ["        loaded: set[str] = set()"] if self.reports_loaded else []
+        also = " | loaded" if self.reports_loaded else ""
         if self.stacked:
-            return (
-                "        stacked: set[str] = set()\n"
-                f"        weights = self._stacked_experts({self.mapper_expr}.apply({self.weights}), stacked)\n"
-                "        return loader.load_weights(weights) | stacked"
+            lines += [
+                "        stacked: set[str] = set()",
+                f"        weights = self._stacked_experts({self.mapper_expr}.apply({self.weights}), stacked)",
+                f"        return loader.load_weights(weights) | stacked{also}",
+            ]
+        else:
+            lines.append(
+                f"        return loader.load_weights({self.weights}, mapper={self.mapper_expr}){also}"
             )
-        return f"        return loader.load_weights({self.weights}, mapper={self.mapper_expr})"
+        return "\n".join(lines)
 
 
 def emit_causal(

@@ -60,6 +60,8 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "vllm.model_executor.layers.vocab_parallel_embedding",
         ("ParallelLMHead", "VocabParallelEmbedding"),
     ),
+    # vLLM's loader for experts held interleaved [hidden, 2 * intermediate] (gpt-oss's)
+    ("vllm.model_executor.models.gpt_oss", ("GptOssRoutedExperts",)),
     (
         "vllm.model_executor.models.interfaces",
         ("SupportsLoRA", "SupportsPP", "SupportsQuant"),

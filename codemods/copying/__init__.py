@@ -291,9 +291,15 @@ def _instance_kinds(model: Model, cls: str) -> list[tuple[object, object]]:
     kinds: dict[tuple, tuple[object, object]] = {}
     for _, inst in model.probe.instances.get(cls, []):
         shape = tuple(
-            (name, type(child).__name__, tuple(getattr(child, "weight", ()).shape or ()))
-            if hasattr(getattr(child, "weight", None), "shape")
-            else (name, type(child).__name__)
+            (
+                (
+                    name,
+                    type(child).__name__,
+                    tuple(getattr(child, "weight", ()).shape or ()),
+                )
+                if hasattr(getattr(child, "weight", None), "shape")
+                else (name, type(child).__name__)
+            )
             for name, child in inst.named_children()
         )
         if shape not in kinds:

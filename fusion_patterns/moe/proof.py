@@ -33,16 +33,24 @@ def fused_reference(x, logits, gate_up, down, act_and_mul, routing: dict):
     return experts_reference(x, chosen, weights, gate_up, down, act_and_mul)
 
 
-def experts_reference(x, chosen, weights, gate_up, down, act_and_mul):
+def experts_reference(
+    x, chosen, weights, gate_up, down, act_and_mul, gate_up_bias=None, down_bias=None
+):
     """What vLLM's fused experts compute once routed, one token and one chosen expert
-    at a time: sum_k w_k down_e(act_and_mul(gate_up_e x))."""
+    at a time: sum_k w_k down_e(act_and_mul(gate_up_e x + b13_e)) + b2_e (gate_up
+    [E, 2I, H], down [E, H, I], as vLLM's w13 and w2 hold them)."""
     import torch
 
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for w, e in zip(weights[t], chosen[t]):
-            h = act_and_mul(x[t : t + 1] @ gate_up[e].T)
-            out[t] += w.to(x.dtype) * (h @ down[e].T)[0]
+            h = x[t : t + 1] @ gate_up[e].T
+            if gate_up_bias is not None:
+                h = h + gate_up_bias[e]
+            o = act_and_mul(h) @ down[e].T
+            if down_bias is not None:
+                o = o + down_bias[e]
+            out[t] += w.to(x.dtype) * o[0]
     return out
 
 

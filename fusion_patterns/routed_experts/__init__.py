@@ -9,17 +9,19 @@ source computes it, and its top-k weights and ids are handed to `FusedMoEFactory
 through a custom routing function (vLLM's `TransformersMoERunner`, whose forward takes
 transformers' `experts(hidden_states, top_k_index, top_k_weights)`).
 
-Matched as the MoE block's experts are (`moe.match.match_experts`: stacked 3-D
-`gate_up` [E, 2I, H] and `down` [E, H, I], `act(gate) * up`); proven on the module the
-tiny model built, called as its block calls it, against the fused computation written
-out: sum over the chosen experts of weight * down_e(act(gate_e x) * up_e x).
+The experts come in forms, one module each (`glu.py`: transformers' stacked [E, 2I, H]
+`act(gate) * up`; `transposed.py`: [E, H, 2I] applied as `x @ W`, in halves (Aria) or
+GPT-OSS's interleaved, clamped, biased gate): each
+matched on the class, proven on the module the tiny model built, called as its block
+calls it, against vLLM's fused computation written out: sum over the chosen experts of
+weight * down_e(act(gate_up_e x)).
 """
 
 from __future__ import annotations
 
 import libcst.matchers as m
 
-from .base import (
+from ..base import (
     CLASS,
     Claim,
     ClassInfo,
@@ -29,9 +31,11 @@ from .base import (
     code,
     refused_by,
 )
-from .emitting import EXTRA_PARAMS, EXTRAS, source_params
-from .moe.match import match_experts, resolve
-from .moe.proof import evaluate, experts_reference
+from ..emitting import EXTRA_PARAMS, EXTRAS, source_params
+from . import glu, transposed
+
+# the experts forms, in the order they are tried
+FORMS = (glu, transposed)
 
 NAME = "routed_experts"
 WHAT = "experts (the source's router)"
@@ -50,26 +54,21 @@ class RoutedExperts(Pattern):
             if not _called_as_experts(seen) or _taken_with_its_block(model, n):
                 continue
             try:
-                spec = match_experts(info)
-                if spec is None:
-                    raise PatternRefused(
-                        "their forward is not `act(gate) * up` on a stacked [gate; up] "
-                        "parameter, then one down projection, per expert"
-                    )
-                top_k = _prove(model, info, spec, inst, seen)
+                form = _form(info)
+                form, top_k = _prove(model, info, form, inst, seen)
             except Exception as exc:
                 yield refused_by(exc, NAME, n, WHAT)
                 continue
             yield Claim(
                 self,
                 n,
-                (spec, top_k),
+                (form, top_k),
                 CLASS,
                 records=[
                     FusionRecord(
                         NAME,
                         n,
-                        (spec.gate_up, spec.down),
+                        form.sources,
                         "experts",
                         VLLM_CLASS,
                         scope=scope,
@@ -77,26 +76,21 @@ class RoutedExperts(Pattern):
                     )
                     for scope in model.roles.scopes.get(n, [""])
                 ],
-                experts=(spec.gate_up, spec.down),
+                experts=form.stacked,
             )
 
     def emit_class(self, claim: Claim, info: ClassInfo) -> str:
-        spec, top_k = claim.spec
-        sizes = {
-            "num_experts": spec.num_experts,
-            "hidden_size": spec.hidden,
-            "intermediate_size": spec.intermediate,
-            "activation": spec.act_name,
-        }
+        form, top_k = claim.spec
         args = "".join(
-            f"        {k}={code(resolve(v, info, {}))},\n" for k, v in sizes.items()
+            f"        {k}={code(v)},\n" for k, v in form.factory_args(info).items()
         )
+        guards = "".join(f"    {line}\n" for line in form.guards())
         params = ", ".join([*source_params(info), *(EXTRA_PARAMS[e] for e in EXTRAS)])
         return f'''
 def {info.name}({params}):
     """{info.name} as vLLM's fused MoE layer, routed externally: the block's own
     router (the source's) picks the experts and hands over their ids and weights."""
-    state = TransformersMoEState()
+{guards}    state = TransformersMoEState()
 
     def chosen_by_the_source(hidden_states, gating_output, topk, renormalize, moe_state):
         # `gating_output` is the source router's top-k weights; the ids were stored
@@ -113,6 +107,22 @@ def {info.name}({params}):
         prefix=prefix,
     )
 '''
+
+    def loader(self, claim: Claim):
+        return claim.spec[0].loader()
+
+
+def _form(info: ClassInfo):
+    """The first experts form that matches the class, or why none does."""
+    for form in FORMS:
+        found = form.match(info)
+        if found is not None:
+            return found
+    raise PatternRefused(
+        "their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then "
+        "one down projection, per expert, nor are they stacked [experts, hidden, 2 * "
+        "intermediate] beside [experts, intermediate, hidden]"
+    )
 
 
 def _owners(model, cls: str) -> list[tuple[ClassInfo, str]]:
@@ -149,17 +159,15 @@ def _called_as_experts(seen) -> bool:
     )
 
 
-def _prove(model, info: ClassInfo, spec, inst, seen) -> str:
-    """The top-k expression (over the experts' own constructor parameters), once the
-    experts are proven to compute the fused form as their block calls them."""
+def _prove(model, info: ClassInfo, form, inst, seen):
+    """(the form, as proven; the top-k expression over the experts' own constructor
+    parameters), once the experts are proven to compute the fused form as their block
+    calls them."""
     import copy
 
     import torch
 
-    from vllm.model_executor.layers.activation import get_act_and_mul_fn
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-
-    from .dataflow import require_close
+    from ..dataflow import require_close
 
     for owner, attr in _owners(model, info.name):
         if attr != "experts":
@@ -183,49 +191,28 @@ def _prove(model, info: ClassInfo, spec, inst, seen) -> str:
     ids = _handed(seen)[1]
     k = ids.shape[-1]
     top_k = _top_k(model, info, k)
-    act = str(
-        evaluate(resolve(spec.act_name, info, {}), model.config, "the activation key")
-    )
-    try:
-        MoEActivation.from_str(act)
-        act_and_mul = get_act_and_mul_fn(act).forward_native
-    except ValueError:
-        raise PatternRefused(f"vLLM's fused MoE has no activation {act!r}") from None
     module = copy.deepcopy(inst)
-    gate_up, down = getattr(module, spec.gate_up), getattr(module, spec.down)
-    extra = [
-        n for n, _ in module.named_parameters() if n not in (spec.gate_up, spec.down)
-    ]
-    if extra:
-        raise PatternRefused(
-            f"they also hold {', '.join(extra)} (biases are not emitted yet)"
-        )
-    experts = gate_up.shape[0]
-    sizes = (spec.num_experts, spec.intermediate, spec.hidden)
-    built = tuple(
-        evaluate(resolve(e, info, {}), model.config, "an experts size") for e in sizes
-    )
-    if built != (experts, down.shape[-1], gate_up.shape[-1]):
-        raise PatternRefused(
-            f"their sizes read from the config {built} are not the ones built "
-            f"{(experts, down.shape[-1], gate_up.shape[-1])}"
-        )
-    gen = torch.Generator().manual_seed(7)
-    tokens = 24
-    with torch.no_grad():
-        gate_up.copy_(
-            torch.randn(gate_up.shape, generator=gen) / gate_up.shape[-1] ** 0.5
-        )
-        down.copy_(torch.randn(down.shape, generator=gen) / down.shape[-1] ** 0.5)
-        x = torch.randn(tokens, gate_up.shape[-1], generator=gen)
-        chosen = torch.stack(
-            [torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)]
-        ).to(ids.dtype)
-        w = torch.rand(tokens, k, generator=gen)
-        got = module(x, chosen, w)
-        want = experts_reference(x, chosen, w, gate_up, down, act_and_mul)
-    require_close(got, want, f"{info.name} as FusedMoE with the source's routing")
-    return top_k
+
+    def check(reference, hidden: int, scale: float = 1.0, tokens: int = 24):
+        """The module's output against `reference`'s, on random inputs of `scale` and
+        random routings (the module's own output, with `reference` None)."""
+        gen = torch.Generator().manual_seed(11)
+        n_experts = next(p for p in module.parameters() if p.dim() == 3).shape[0]
+        with torch.no_grad():
+            x = scale * torch.randn(tokens, hidden, generator=gen)
+            chosen = torch.stack(
+                [torch.randperm(n_experts, generator=gen)[:k] for _ in range(tokens)]
+            ).to(ids.dtype)
+            w = torch.rand(tokens, k, generator=gen)
+            got = module(x, chosen, w)
+            if reference is None:
+                return got
+            want = reference(x, chosen, w)
+        require_close(got, want, f"{info.name} as FusedMoE with the source's routing")
+        return got
+
+    form = form.prove(model, info, module, check)
+    return form, top_k
 
 
 def _top_k(model, info: ClassInfo, k: int) -> str:
