@@ -388,10 +388,11 @@ def prove(spec: NormSpec, modules) -> NormSpec:
             found = form
             break
         else:
+            # the closest form's reason: one that computes it in fp32 and differs only
+            # in bf16's bits, else vLLM's usual one
+            closest = next((w for w in why.values() if "bf16" in w), why[AFTER_CAST])
             raise PatternRefused(
-                "none of vLLM's RMSNorm forms computes it ("
-                + "; ".join(f"{f}: {w}" for f, w in why.items())
-                + ")"
+                f"none of vLLM's RMSNorm forms computes it ({closest})"
             )
     return replace(spec, form=found or spec.form)
 
@@ -417,10 +418,12 @@ class RMSNormPattern(Pattern):
             kinds = {}
             for _, inst in model.probe.instances.get(n, []):
                 kinds.setdefault(getattr(inst, "weight", None) is None, inst)
-            if not kinds:
-                continue
             owners = [model.classes[o] for o in model.roles.wanted]
             try:
+                if not kinds:
+                    # built only under another tiny config (Cohere2-MoE's RMSNorm or
+                    # LayerNorm by `rms_norm_eps`): a norm builds alone
+                    kinds[False] = _built_alone(result, getattr(model.pymodule, n))
                 spec = prove(result, list(kinds.values()))
                 # every construction the copies will rewrite must translate
                 for info in owners:
@@ -441,6 +444,17 @@ class RMSNormPattern(Pattern):
 
     def construction(self, claim: Claim, call: cst.Call) -> str:
         return claim.spec.construction(call)
+
+
+def _built_alone(spec: NormSpec, cls):
+    """An instance of the norm class, sized 64, its other arguments their defaults."""
+    try:
+        return cls(**({spec.size_param: 64} if spec.size_param else {}))
+    except Exception as exc:
+        raise PatternRefused(
+            f"the tiny model never builds it, and it does not build alone "
+            f"({type(exc).__name__})"
+        ) from None
 
 
 def _unique(records: list[FusionRecord]) -> list[FusionRecord]:

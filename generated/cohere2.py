@@ -11,10 +11,10 @@
 #   Fused: gate_proj + up_proj (Cohere2MLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: q_proj + k_proj + v_proj (Cohere2Attention) -> qkv_proj (QKVParallelLinear)
 #   Fused: apply_rotary_pos_emb (Cohere2Attention) -> rotary_emb (get_rope, GPT-J pairs)
-#   Unfused: module (Cohere2LayerNorm): copied from the source (none of vLLM's RMSNorm forms computes it (weight after the cast back: RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05); weight in fp32, before the cast back: RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05); 1 + weight: RMSNorm: the fused form differs (max rel err 7.7e-01 > 1e-05)))
+#   Unfused: module (Cohere2LayerNorm): copied from the source (none of vLLM's RMSNorm forms computes it (RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05)))
 #   Unfused: decoder layer (Cohere2DecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (Cohere2Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
-#   Refused: Cohere2LayerNorm (Cohere2LayerNorm): none of vLLM's RMSNorm forms computes it (weight after the cast back: RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05); weight in fp32, before the cast back: RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05); 1 + weight: RMSNorm: the fused form differs (max rel err 7.7e-01 > 1e-05))
+#   Refused: Cohere2LayerNorm (Cohere2LayerNorm): none of vLLM's RMSNorm forms computes it (RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05))
 #   Refused: attention (Cohere2Attention): not vLLM's own layout: query (merged GEMM, head norm, rope): the fused form differs (max rel err 1.3e+00 > 1e-05)
 #   Refused: residual add + norm (Cohere2DecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================

@@ -8,18 +8,19 @@
 # architecture:  GeneratedCohere2MoeForCausalLM -> Cohere2MoeForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: norm (Cohere2MoeModel) -> norm (RMSNorm)
+#   Fused: input_layernorm (Cohere2MoeDecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: gate_up_proj + down_proj (Cohere2MoeExperts) -> experts (FusedMoE, external routing: the block's own router picks the experts, in self.mlp.experts)
 #   Fused: gate_proj + up_proj (Cohere2MoeMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: gate_proj + up_proj (Cohere2MoeMLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
 #   Fused: q_proj + k_proj + v_proj (Cohere2MoeAttention) -> qkv_proj (QKVParallelLinear)
 #   Fused: apply_rotary_pos_emb (Cohere2MoeAttention) -> rotary_emb (get_rope, GPT-J pairs)
-#   Unfused: module (Cohere2MoeLayerNorm): copied from the source (none of vLLM's RMSNorm forms computes it (weight after the cast back: RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05); weight in fp32, before the cast back: RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05); 1 + weight: RMSNorm: the fused form differs (max rel err 7.7e-01 > 1e-05)))
-#   Unfused: module (Cohere2MoeRMSNorm): copied from the source
+#   Unfused: module (Cohere2MoeLayerNorm): copied from the source (none of vLLM's RMSNorm forms computes it (RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05)))
 #   Unfused: decoder layer (Cohere2MoeDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (Cohere2MoeSparseMoeBlock): copied from the source (the router scores neither with a softmax nor a sigmoid)
 #   Unfused: module (Cohere2MoeTopKRouter): copied from the source
 #   Unfused: attention (Cohere2MoeAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
-#   Refused: Cohere2MoeLayerNorm (Cohere2MoeLayerNorm): none of vLLM's RMSNorm forms computes it (weight after the cast back: RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05); weight in fp32, before the cast back: RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05); 1 + weight: RMSNorm: the fused form differs (max rel err 7.7e-01 > 1e-05))
+#   Refused: Cohere2MoeLayerNorm (Cohere2MoeLayerNorm): none of vLLM's RMSNorm forms computes it (RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05))
 #   Refused: router + experts (Cohere2MoeSparseMoeBlock): the router scores neither with a softmax nor a sigmoid
 #   Refused: attention (Cohere2MoeAttention): not vLLM's own layout: query (merged GEMM, head norm, rope): the fused form differs (max rel err 1.5e+00 > 1e-05)
 #   Refused: residual add + norm (Cohere2MoeDecoderLayer): self.input_layernorm is not an RMSNorm
@@ -40,6 +41,7 @@ from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -88,23 +90,6 @@ def vllm_attention(
         value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
     out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
     return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
-
-
-class Cohere2MoeRMSNorm(nn.Module):
-    def __init__(self, hidden_size, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
-
-    def extra_repr(self):
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 class Cohere2MoeLayerNorm(nn.Module):
@@ -416,7 +401,7 @@ class Cohere2MoeDecoderLayer(nn.Module):
             )
         )
         self.input_layernorm = (
-            Cohere2MoeRMSNorm(hidden_size=config.hidden_size, eps=config.rms_norm_eps)
+            RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             if config.rms_norm_eps is not None
             else Cohere2MoeLayerNorm(
                 hidden_size=config.hidden_size, eps=config.layer_norm_eps
@@ -496,9 +481,7 @@ class Cohere2MoeModel(nn.Module):
         )
         if get_pp_group().is_last_rank:
             self.norm = (
-                Cohere2MoeRMSNorm(
-                    hidden_size=config.hidden_size, eps=config.rms_norm_eps
-                )
+                RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
                 if config.rms_norm_eps is not None
                 else Cohere2MoeLayerNorm(
                     hidden_size=config.hidden_size, eps=config.layer_norm_eps

@@ -11,10 +11,10 @@
 #   Fused: gate_proj + up_proj (CohereCompassMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: q_proj + k_proj + v_proj (CohereCompassAttention) -> qkv_proj (QKVParallelLinear)
 #   Unfused: module (CohereCompassRotaryEmbedding): copied from the source
-#   Unfused: module (CohereCompassLayerNorm): copied from the source (none of vLLM's RMSNorm forms computes it (weight after the cast back: RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05); weight in fp32, before the cast back: RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05); 1 + weight: RMSNorm: the fused form differs (max rel err 7.7e-01 > 1e-05)))
+#   Unfused: module (CohereCompassLayerNorm): copied from the source (none of vLLM's RMSNorm forms computes it (RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05)))
 #   Unfused: decoder layer (CohereCompassDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (CohereCompassAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
-#   Refused: CohereCompassLayerNorm (CohereCompassLayerNorm): none of vLLM's RMSNorm forms computes it (weight after the cast back: RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05); weight in fp32, before the cast back: RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05); 1 + weight: RMSNorm: the fused form differs (max rel err 7.7e-01 > 1e-05))
+#   Refused: CohereCompassLayerNorm (CohereCompassLayerNorm): none of vLLM's RMSNorm forms computes it (RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05))
 #   Refused: attention (CohereCompassAttention): not vLLM's own layout: query (merged GEMM, head norm, rope): the fused form differs (max rel err 1.6e+00 > 1e-05)
 #   Refused: rotary embedding (CohereCompassAttention): vLLM's rope computes something else (no head size, rotated dims, pair style and config rope parameters give the source's numbers)
 #   Refused: residual add + norm (CohereCompassDecoderLayer): self.input_layernorm is not an RMSNorm

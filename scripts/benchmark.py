@@ -232,6 +232,10 @@ def read_generated_headers() -> dict[str, dict]:
             "generated_class": target,
             "hf_arch": cls,
             "source": source.group(1).strip() if source else None,
+            # what the file's header says vLLM must run it with (VLLM_MLA_DISABLE=1)
+            "environment": dict(
+                re.findall(r"^# environment:\s+(\w+)=(\S+)", head, re.MULTILINE)
+            ),
         }
     return dict(sorted(models.items()))
 
@@ -280,7 +284,8 @@ def build_checkpoint(causal_cls, sizes: dict, out_dir: str, seed: int, dtype) ->
 
     config_cls = causal_cls.config_class
     kwargs, skipped = config_sizes(config_cls, sizes)
-    fit_latent_attention(kwargs, config_cls().to_dict())
+    defaults = config_cls().to_dict()
+    fit_latent_attention(kwargs, defaults)
     config = config_cls(**kwargs)
     layers = getattr(config, "num_hidden_layers", None)
     types = getattr(config, "layer_types", None)
@@ -288,9 +293,14 @@ def build_checkpoint(causal_cls, sizes: dict, out_dir: str, seed: int, dtype) ->
         # a class whose default layer pattern does not follow the layer count
         kwargs["layer_types"] = (types * layers)[:layers]
         config = config_cls(**kwargs)
-    config.architectures = [causal_cls.__name__]
     torch.manual_seed(seed)
-    model = causal_cls(config).eval()
+    try:
+        model = causal_cls(config).eval()
+    except Exception:  # noqa: BLE001 - a default the source cannot build with
+        # the tiny rules' fallbacks for it (DBRX's sub-configs without a rope theta),
+        # on these sizes and the defaults' sub-configs
+        model, kwargs, config = _first_that_builds(causal_cls, kwargs, defaults)
+    config.architectures = [causal_cls.__name__]
     params = sum(p.numel() for p in model.parameters())
     model.to(dtype)  # the benchmark's dtype: half the disk and load time for bf16
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -301,6 +311,28 @@ def build_checkpoint(causal_cls, sizes: dict, out_dir: str, seed: int, dtype) ->
         "vocab_size": getattr(config, "vocab_size", sizes["vocab_size"]),
         "parameters": params,
     }
+
+
+def _first_that_builds(causal_cls, kwargs: dict, defaults: dict):
+    from codemods.tiny import variants, working_values
+
+    # the sub-configs (DBRX's attn_config / ffn_config) as the tiny model builds them
+    subs = {
+        k: v
+        for k, v in working_values(causal_cls).items()
+        if isinstance(v, dict)
+        and isinstance(defaults.get(k), dict)
+        and k not in kwargs
+        and k != "rope_parameters"
+    }
+    error = None
+    for values in variants(causal_cls.config_class, {**kwargs, **subs}):
+        try:
+            config = causal_cls.config_class(**values)
+            return causal_cls(config).eval(), values, config
+        except Exception as exc:  # noqa: BLE001 - the next fallback
+            error = error or exc
+    raise error
 
 
 def native_class(hf_arch: str) -> str | None:
@@ -528,6 +560,8 @@ def run_job(job: dict) -> dict:
     }
     if impl == "generated":
         kwargs["hf_overrides"] = {"architectures": [model["generated_arch"]]}
+        # this run's own process: the others run as vLLM would by default
+        os.environ.update(model.get("environment", {}))
     elif impl == "native":
         kwargs["hf_overrides"] = {"architectures": [model["hf_arch"]]}
     else:

@@ -167,12 +167,25 @@ MUTANTS = [
         "return (self.weight * hidden_states).to(input_dtype)",
         ("equal", []),
     ),
-
     (
+        # Gemma's form: `1 + w` in fp32, then the cast back (vLLM's GemmaRMSNorm)
         "one-plus-weight",
         NORM_RETURN,
-        "return (1.0 + self.weight) * hidden_states.to(input_dtype)",
+        "return (hidden_states * (1.0 + self.weight.float())).to(input_dtype)",
         ("equal", []),
+    ),
+    (
+        # `1 + w` after the cast back: no vLLM norm gives its bf16 bits
+        "one-plus-weight-after-the-cast",
+        NORM_RETURN,
+        "return (1.0 + self.weight) * hidden_states.to(input_dtype)",
+        (
+            "equal",
+            [
+                "none of vLLM's RMSNorm forms computes it",
+                "self.input_layernorm is not an RMSNorm",
+            ],
+        ),
     ),
     # Residual
     (
