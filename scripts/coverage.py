@@ -273,6 +273,10 @@ def markdown(
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     backend_ok = sum(1 for r in rows if (r.get("backend") or {}).get("ok"))
+    verified = [r for r in rows if r["status"] == "verified"]
+    tp2_ok = [r for r in verified if (r.get("tp2") or {}).get("ok")]
+    shared = [r for r in tp2_ok if (r["tp2"].get("rank_share") or 1) <= SHARE_BOUND]
+    parity = [r for r in verified if backend_cell(r) in ("all", "-")]
     lines = [
         "# Coverage",
         "",
@@ -287,6 +291,9 @@ def markdown(
         f" {len(rows)} files in {seconds / 60:.0f} min: "
         + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
         + f"; the Transformers backend matched transformers on {backend_ok}."
+        + f" Of the {len(verified)} verified: {len(tp2_ok)} verified again at TP=2,"
+        f" {len(shared)} with a rank holding at most {SHARE_BOUND:.0%} of the layers;"
+        f" {len(parity)} fuse every part the backend fuses (or it fused none)."
         + (
             f" Rows marked * were rerun alone with `--models ... --update`"
             f" ({rerun / 60:.0f} min)."

@@ -153,3 +153,18 @@ def test_a_matrix_weight_is_refused_with_its_reason():
         pytest.fail(spec.reason)
     with pytest.raises(rms_norm.PatternRefused, match="2-D"):
         rms_norm.prove(spec, [cls((4, 64), eps=1e-5)])
+
+
+def test_a_norm_only_another_tiny_config_builds_is_fused_too():
+    """Cohere2-MoE builds an RMSNorm or a LayerNorm by `rms_norm_eps`: the probe's tiny
+    model builds the LayerNorm, so the RMSNorm is built alone and proven (verify runs
+    both configs), not copied unclaimed; the committed file is current (test_check)."""
+    from conftest import REPO
+
+    text = (REPO / "generated" / "cohere2_moe.py").read_text()
+    assert (
+        "Fused: input_layernorm (Cohere2MoeDecoderLayer) -> input_layernorm (RMSNorm)"
+        in text
+    )
+    assert "class Cohere2MoeRMSNorm" not in text  # vLLM's norm in its place
+    assert "class Cohere2MoeLayerNorm" in text  # the other branch, as the source has it
