@@ -8,19 +8,16 @@
 # architecture:  GeneratedDbrxForCausalLM -> DbrxForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: mlp.w1 + mlp.v1 + mlp.w2 (DbrxExperts) -> experts (FusedMoE, external routing: the block's own router picks the experts, in self.ffn.experts)
 #   Fused: apply_rotary_pos_emb (DbrxAttention) -> rotary_emb (get_rope, NeoX halves)
 #   Unfused: decoder layer (DbrxBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (DbrxFFN): copied from the source
-#   Unfused: module (DbrxExperts): copied from the source (their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert, nor are they stacked [experts, hidden, 2 * intermediate] beside [experts, intermediate, hidden])
-#   Unfused: module (DbrxExpertGLU): copied from the source
 #   Unfused: module (DbrxRouter): copied from the source
 #   Unfused: module (DbrxNormAttentionNorm): copied from the source
 #   Unfused: attention (DbrxAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: module (DbrxRotaryEmbedding): copied from the source
 #   Unfused: tensor parallel (DbrxAttention): replicated: sharded over 2 ranks it fails (ValueError: self.num_key_value_heads = 1 heads, not divisible by 2)
 #   Unfused: tensor parallel (DbrxRouter): replicated on every rank: layer (transformers' TP plan has no entry for them, and their dataflow gives none: no linear feeds another on the way to its output)
-#   Unfused: torch.compile (DbrxModel): off: DbrxExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
-#   Refused: experts (the source's router) (DbrxExperts): their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert, nor are they stacked [experts, hidden, 2 * intermediate] beside [experts, intermediate, hidden]
 #   Refused: q/k/v projections (DbrxAttention): `query_states` between a projection and attention
 #   Refused: residual add + norm (DbrxBlock): `resid_states, hidden_states = self.norm_attn_norm(` does not save the residual stream
 # ======================================================================================
@@ -28,16 +25,17 @@
 
 from collections.abc import Iterable
 from copy import copy as shallow_copy
+from functools import partial
 from itertools import islice
 
 import torch
 from torch import nn
 
-from transformers.activations import ACT2FN
-
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
@@ -50,6 +48,10 @@ from vllm.model_executor.models.interfaces import (
     SupportsLoRA,
     SupportsPP,
     SupportsQuant,
+)
+from vllm.model_executor.models.transformers.moe import (
+    TransformersMoERunner,
+    TransformersMoEState,
 )
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
@@ -254,84 +256,33 @@ class DbrxAttention(nn.Module):
         )
 
 
-class DbrxExpertGLU(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.hidden_size = config.hidden_size
-        self.ffn_hidden_size = config.ffn_hidden_size
-        self.moe_num_experts = config.moe_num_experts
+def DbrxExperts(
+    config, quant_config: QuantizationConfig | None = None, prefix: str = ""
+):
+    """DbrxExperts as vLLM's fused MoE layer, routed externally: the block's own
+    router (the source's) picks the experts and hands over their ids and weights."""
+    state = TransformersMoEState()
 
-        self.w1 = nn.Parameter(
-            torch.empty(self.moe_num_experts * self.ffn_hidden_size, self.hidden_size)
-        )
-        self.v1 = nn.Parameter(
-            torch.empty(self.moe_num_experts * self.ffn_hidden_size, self.hidden_size)
-        )
-        self.w2 = nn.Parameter(
-            torch.empty(self.moe_num_experts * self.ffn_hidden_size, self.hidden_size)
-        )
+    def chosen_by_the_source(
+        hidden_states, gating_output, topk, renormalize, moe_state
+    ):
+        # `gating_output` is the source router's top-k weights; the ids were stored
+        # by the runner's forward
+        return gating_output, moe_state.topk_ids
 
-        act_fn_name = config.ffn_act_fn.get("name", "silu")
-        self.activation_fn = ACT2FN[act_fn_name]
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        expert_w1: torch.Tensor,
-        expert_v1: torch.Tensor,
-        expert_w2: torch.Tensor,
-    ) -> torch.Tensor:
-        gate_proj = x.matmul(expert_w1.T)
-        up_proj = x.matmul(expert_v1.T)
-        gate_proj = self.activation_fn(gate_proj)
-        intermediate_states = gate_proj * up_proj
-        down_proj = intermediate_states.matmul(expert_w2)
-        return down_proj
-
-
-class DbrxExperts(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.mlp = DbrxExpertGLU(config)
-        self.hidden_size = config.hidden_size
-        self.ffn_hidden_size = config.ffn_hidden_size
-        self.num_experts = config.moe_num_experts
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-    ) -> torch.Tensor:
-        batch_size = hidden_states.shape[0]
-        hidden_states = hidden_states.reshape(-1, self.hidden_size)
-
-        next_states = torch.zeros_like(
-            hidden_states, dtype=hidden_states.dtype, device=hidden_states.device
-        )
-        with torch.no_grad():
-            expert_mask = torch.nn.functional.one_hot(
-                top_k_index, num_classes=self.num_experts + 1
-            )
-            expert_mask = expert_mask.permute(2, 1, 0)
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-
-        split_expert_shape = (-1, self.ffn_hidden_size, self.hidden_size)
-        for expert_idx in expert_hit:
-            expert_idx = expert_idx[0]
-            with torch.no_grad():
-                idx, token_idx = torch.where(expert_mask[expert_idx])
-            v1 = self.mlp.v1.view(split_expert_shape)[expert_idx]
-            w1 = self.mlp.w1.view(split_expert_shape)[expert_idx]
-            w2 = self.mlp.w2.view(split_expert_shape)[expert_idx]
-            states = self.mlp(hidden_states[token_idx], w1, v1, w2)
-            states = (
-                states.view(-1, self.hidden_size) * top_k_weights[token_idx, idx, None]
-            )
-            next_states.index_add_(0, token_idx, states)
-
-        next_states = next_states.view(batch_size, -1, self.hidden_size)
-        return next_states
+    return FusedMoEFactory(
+        num_experts=config.moe_num_experts,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.ffn_hidden_size,
+        activation=config.ffn_act_fn.get("name", "silu"),
+        top_k=config.moe_top_k,
+        renormalize=False,
+        custom_routing_function=partial(chosen_by_the_source, moe_state=state),
+        runner_cls=TransformersMoERunner,
+        runner_args={"moe_state": state},
+        quant_config=quant_config,
+        prefix=prefix,
+    )
 
 
 class DbrxRouter(nn.Module):
@@ -370,7 +321,9 @@ class DbrxFFN(nn.Module):
         self.router = DbrxRouter(
             config.ffn_config, quant_config=quant_config, prefix=f"{prefix}.router"
         )
-        self.experts = DbrxExperts(config.ffn_config)
+        self.experts = DbrxExperts(
+            config.ffn_config, quant_config=quant_config, prefix=f"{prefix}.experts"
+        )
 
         self.moe_normalize_expert_weights = (
             config.ffn_config.moe_normalize_expert_weights
@@ -394,7 +347,11 @@ class DbrxFFN(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         router_logits = self.router(hidden_states)
         top_k_weights, top_k_index = self.route_tokens_to_experts(router_logits)
-        output = self.experts(hidden_states, top_k_index, top_k_weights)
+        output = self.experts(
+            hidden_states.reshape(-1, hidden_states.shape[-1]),
+            top_k_index,
+            top_k_weights,
+        ).view_as(hidden_states)
         return output
 
 
@@ -495,6 +452,7 @@ class DbrxBlock(nn.Module):
         return hidden_states
 
 
+@support_torch_compile
 class DbrxModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
@@ -637,4 +595,29 @@ class DbrxForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        return loader.load_weights(
+            self._flattened_experts(weights), mapper=self.hf_to_vllm_mapper
+        )
+
+    # the experts' matrices, each every expert's stacked along its rows as the source
+    # holds them ([experts * intermediate, hidden], in self.mlp) -> one tensor per
+    # expert under the names vLLM's fused MoE loader reads, which takes this rank's share
+    flattened_experts = {"w1": "gate_proj", "v1": "up_proj", "w2": "down_proj"}
+
+    def _flattened_experts(self, weights):
+        for name, tensor in weights:
+            owner, _, matrix = name.rpartition(".mlp.")
+            target = self.flattened_experts.get(matrix)
+            if target is None or not owner.endswith(".experts"):
+                yield name, tensor
+                continue
+            try:
+                layer = self.get_submodule(owner)
+            except AttributeError:  # a layer of another pipeline stage
+                continue
+            experts = layer.routed_experts.moe_config.num_logical_experts
+            tensor = tensor.view(experts, -1, tensor.shape[-1])
+            if matrix == "w2":  # vLLM holds down as [hidden, intermediate]
+                tensor = tensor.transpose(1, 2)
+            for expert, one in enumerate(tensor):
+                yield f"{owner}.{expert}.{target}.weight", one

@@ -176,3 +176,71 @@ def test_aria_transposed_halves_are_vllms_stacked_experts_read_transposed():
     assert "activation='silu'" in factory
     assert "is_fused_checkpoint_transposed=True" in factory
     assert "_interleaved_experts" not in text
+
+
+# --- experts as three [E * I, H] matrices of a child module (flattened.py) ----------
+
+
+def flattened_table(text: str) -> dict[str, str]:
+    """The generated loader's {source matrix: vLLM per-expert name} table."""
+    tree = ast.parse(text)
+    [table] = [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign)
+        and any(getattr(t, "id", None) == "flattened_experts" for t in n.targets)
+    ]
+    return ast.literal_eval(table)
+
+
+def test_dbrx_flattened_experts_are_fused_moe_loaded_per_expert():
+    plan, text = generate("modeling_dbrx.py")
+    assert any(
+        line.startswith("Fused:") and "(DbrxExperts)" in line for line in plan.report()
+    )
+    # w1 is activated (gate), v1 multiplies it (up), w2 is applied as h @ W_e (down)
+    assert flattened_table(text) == {
+        "w1": "gate_proj",
+        "v1": "up_proj",
+        "w2": "down_proj",
+    }
+    assert "tensor = tensor.transpose(1, 2)" in text
+    # DBRX hands [batch, tokens, hidden]: flattened for vLLM's layer, shaped back
+    assert ".reshape(-1, hidden_states.shape[-1])" in text and ".view_as(" in text
+    assert ".nonzero()" not in text and "@support_torch_compile" in text
+
+
+def test_dbrx_roles_follow_the_source_not_the_names(tmp_path):
+    # the source activating v1 and multiplying by w1: the table swaps with it
+    edited = edited_modeling_file(
+        tmp_path,
+        "modeling_dbrx.py",
+        "gate_proj = x.matmul(expert_w1.T)\n        up_proj = x.matmul(expert_v1.T)",
+        "gate_proj = x.matmul(expert_v1.T)\n        up_proj = x.matmul(expert_w1.T)",
+    )
+    plan, text = generate(str(edited), trust_remote_code=True)
+    assert flattened_table(text) == {
+        "v1": "gate_proj",
+        "w1": "up_proj",
+        "w2": "down_proj",
+    }
+
+
+def test_dbrx_experts_computing_something_else_are_refused(tmp_path):
+    # the activation applied after the product: no assignment of w1/v1/w2 computes it
+    edited = edited_modeling_file(
+        tmp_path,
+        "modeling_dbrx.py",
+        "gate_proj = self.activation_fn(gate_proj)\n"
+        "        intermediate_states = gate_proj * up_proj",
+        "intermediate_states = self.activation_fn(gate_proj * up_proj)",
+    )
+    plan, text = generate(str(edited), trust_remote_code=True)
+    [refused] = [
+        line
+        for line in plan.report()
+        if line.startswith("Refused:") and "(DbrxExperts)" in line
+    ]
+    assert "no assignment of their matrices computes them" in refused
+    assert "class DbrxExperts(nn.Module)" in text
+    assert any(line.startswith("Unfused: torch.compile") for line in plan.report())

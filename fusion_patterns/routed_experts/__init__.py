@@ -19,6 +19,7 @@ weight * down_e(act(gate_up_e x)).
 
 from __future__ import annotations
 
+import libcst as cst
 import libcst.matchers as m
 
 from ..base import (
@@ -32,10 +33,10 @@ from ..base import (
     refused_by,
 )
 from ..emitting import EXTRA_PARAMS, EXTRAS, source_params
-from . import glu, transposed
+from . import flattened, glu, transposed
 
 # the experts forms, in the order they are tried
-FORMS = (glu, transposed)
+FORMS = (glu, transposed, flattened)
 
 NAME = "routed_experts"
 WHAT = "experts (the source's router)"
@@ -54,15 +55,18 @@ class RoutedExperts(Pattern):
             if not _called_as_experts(seen) or _taken_with_its_block(model, n):
                 continue
             try:
-                form = _form(info)
+                form = _form(info, model.classes)
                 form, top_k = _prove(model, info, form, inst, seen)
             except Exception as exc:
                 yield refused_by(exc, NAME, n, WHAT)
                 continue
+            # vLLM's fused layer takes [tokens, hidden]: hidden states the block hands
+            # with more dims (DBRX's [batch, tokens, hidden]) are flattened at the call
+            flatten = _handed(seen)[0].dim() > 2
             yield Claim(
                 self,
                 n,
-                (form, top_k),
+                (form, top_k, flatten),
                 CLASS,
                 records=[
                     FusionRecord(
@@ -80,7 +84,7 @@ class RoutedExperts(Pattern):
             )
 
     def emit_class(self, claim: Claim, info: ClassInfo) -> str:
-        form, top_k = claim.spec
+        form, top_k, _ = claim.spec
         args = "".join(
             f"        {k}={code(v)},\n" for k, v in form.factory_args(info).items()
         )
@@ -111,11 +115,25 @@ def {info.name}({params}):
     def loader(self, claim: Claim):
         return claim.spec[0].loader()
 
+    def call_site(self, claim: Claim, call: cst.Call) -> cst.BaseExpression | None:
+        if not claim.spec[2]:
+            return None
+        x = code(call.args[0].value)  # a name: checked when claimed
+        flat = call.with_changes(
+            args=[
+                call.args[0].with_changes(
+                    value=cst.parse_expression(f"{x}.reshape(-1, {x}.shape[-1])")
+                ),
+                *call.args[1:],
+            ]
+        )
+        return cst.parse_expression(f"{code(flat)}.view_as({x})")
 
-def _form(info: ClassInfo):
+
+def _form(info: ClassInfo, classes):
     """The first experts form that matches the class, or why none does."""
     for form in FORMS:
-        found = form.match(info)
+        found = form.match(info, classes)
         if found is not None:
             return found
     raise PatternRefused(
@@ -188,34 +206,73 @@ def _prove(model, info: ClassInfo, form, inst, seen):
                 f"{owner.name} does not call self.{attr}(hidden, top-k ids, top-k weights) "
                 "once, positionally"
             )
+        if _handed(seen)[0].dim() > 2 and not isinstance(
+            calls[0].args[0].value, cst.Name
+        ):
+            raise PatternRefused(
+                f"{owner.name} hands them [batch, tokens, hidden] states computed in "
+                "the call (vLLM's fused layer takes them flat)"
+            )
     ids = _handed(seen)[1]
     k = ids.shape[-1]
-    top_k = _top_k(model, info, k)
+    config, base = _experts_config(model, info)
+    top_k = _top_k(model, info, k, config, base)
     module = copy.deepcopy(inst)
 
-    def check(reference, hidden: int, scale: float = 1.0, tokens: int = 24):
-        """The module's output against `reference`'s, on random inputs of `scale` and
-        random routings (the module's own output, with `reference` None)."""
+    # the hidden states as the block hands them (DBRX: [batch, tokens, hidden])
+    lead = tuple(_handed(seen)[0].shape[:-1])
+
+    def check(reference, hidden: int, n_experts: int, scale: float = 1.0):
+        """The module's output against `reference`'s, on random inputs of `scale`,
+        shaped as the block hands them, and random routings over `n_experts` (the
+        module's own output, with `reference` None)."""
         gen = torch.Generator().manual_seed(11)
-        n_experts = next(p for p in module.parameters() if p.dim() == 3).shape[0]
         with torch.no_grad():
-            x = scale * torch.randn(tokens, hidden, generator=gen)
+            x = scale * torch.randn(*lead[:-1], 24, hidden, generator=gen)
+            flat = x.reshape(-1, hidden)
             chosen = torch.stack(
-                [torch.randperm(n_experts, generator=gen)[:k] for _ in range(tokens)]
+                [torch.randperm(n_experts, generator=gen)[:k] for _ in flat]
             ).to(ids.dtype)
-            w = torch.rand(tokens, k, generator=gen)
+            w = torch.rand(flat.shape[0], k, generator=gen)
             got = module(x, chosen, w)
             if reference is None:
                 return got
-            want = reference(x, chosen, w)
+            want = reference(flat, chosen, w).view(x.shape)
+        if got.shape != x.shape:
+            # vLLM's fused layer returns its input's shape
+            raise PatternRefused(
+                f"they return {tuple(got.shape)} for {tuple(x.shape)} hidden states"
+            )
         require_close(got, want, f"{info.name} as FusedMoE with the source's routing")
         return got
 
-    form = form.prove(model, info, module, check)
+    form = form.prove(config, info, module, check)
     return form, top_k
 
 
-def _top_k(model, info: ClassInfo, k: int) -> str:
+def _experts_config(model, info: ClassInfo):
+    """(the config object the experts are built with, its expression in their block):
+    the model's config, or a sub-config of it (DBRX's `config.ffn_config`)."""
+    from ..moe.proof import evaluate
+
+    bases = set()
+    for owner, attr in _owners(model, info.name):
+        call = owner.attrs[attr]
+        args = [a.value for a in call.args if a.keyword is None] + [
+            a.value for a in call.args if a.keyword and a.keyword.value == "config"
+        ]
+        if not args:
+            raise PatternRefused(f"{owner.name} builds them without a config")
+        bases.add(code(args[0]))
+    if len(bases) != 1:
+        raise PatternRefused(f"their blocks build them from {sorted(bases)}")
+    base = bases.pop()
+    if not base.startswith("config"):
+        raise PatternRefused(f"their block builds them from `{base}`, not its config")
+    return evaluate(cst.parse_expression(base), model.config, "their config"), base
+
+
+def _top_k(model, info: ClassInfo, k: int, config, base: str) -> str:
     """`config.<name>`: the config field the experts' block reads whose value is the
     top-k the tiny model ran (the experts themselves never see it); where tiny values
     coincide, the one a `topk(..., k)` in the block or its router takes."""
@@ -234,13 +291,16 @@ def _top_k(model, info: ClassInfo, k: int) -> str:
         for cls in (owner, *built):
             if cls is None:
                 continue
-            read |= {n.attr.value for n in m.findall(cls.node, _CONFIG_FIELD)}
-            as_k |= set(_topk_fields(cls))
+            read |= {
+                n.attr.value
+                for n in m.findall(cls.node, m.Attribute())
+                if code(n.value) == base
+            }
+            as_k |= set(_topk_fields(cls, base))
     fields = {
         name
         for name in read
-        if type(getattr(model.config, name, None)) is int
-        and getattr(model.config, name) == k
+        if type(getattr(config, name, None)) is int and getattr(config, name) == k
     }
     if len(fields & as_k) == 1:
         fields &= as_k
@@ -253,17 +313,17 @@ def _top_k(model, info: ClassInfo, k: int) -> str:
     return f"config.{fields.pop()}"
 
 
-_CONFIG_FIELD = m.Attribute(value=m.Name("config"))
 _TOPK = m.Call(func=m.Attribute(attr=m.Name("topk")) | m.Name("topk"))
 
 
-def _topk_fields(info: ClassInfo):
-    """The config fields a `topk` call of `info` takes as its k, through `self.<attr>`."""
+def _topk_fields(info: ClassInfo, base: str):
+    """The fields of `base` (the experts' config) a `topk` call of `info` takes as its
+    k, through `self.<attr>`."""
     for call in m.findall(info.node, _TOPK):
         keyword = [a.value for a in call.args if a.keyword and a.keyword.value == "k"]
         positional = [a.value for a in call.args if a.keyword is None]
         for value in keyword or positional[1:2]:
             if m.matches(value, m.Attribute(value=m.Name("self"))):
                 value = info.attrs.get(value.attr.value)
-            if m.matches(value, _CONFIG_FIELD):
+            if isinstance(value, cst.Attribute) and code(value.value) == base:
                 yield value.attr.value

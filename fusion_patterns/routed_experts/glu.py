@@ -38,8 +38,9 @@ class GLUExperts:
     def loader(self):
         return None
 
-    def prove(self, model, info: ClassInfo, module, check) -> "GLUExperts":
-        """`check(reference, hidden)`: the module (its weights randomised here) against
+    def prove(self, config, info: ClassInfo, module, check) -> "GLUExperts":
+        """`config`: the one the experts are built with. `check(reference, hidden,
+        experts)`: the module (its weights randomised here) against
         `reference` on random inputs and routings."""
         import torch
 
@@ -47,9 +48,7 @@ class GLUExperts:
         from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
         s = self.spec
-        act = str(
-            evaluate(resolve(s.act_name, info, {}), model.config, "the activation key")
-        )
+        act = str(evaluate(resolve(s.act_name, info, {}), config, "the activation key"))
         try:
             MoEActivation.from_str(act)
             act_and_mul = get_act_and_mul_fn(act).forward_native
@@ -66,7 +65,7 @@ class GLUExperts:
             )
         gate_up, down = getattr(module, s.gate_up), getattr(module, s.down)
         built = tuple(
-            evaluate(resolve(e, info, {}), model.config, "an experts size")
+            evaluate(resolve(e, info, {}), config, "an experts size")
             for e in (s.num_experts, s.intermediate, s.hidden)
         )
         if built != (gate_up.shape[0], down.shape[-1], gate_up.shape[-1]):
@@ -83,10 +82,10 @@ class GLUExperts:
         def reference(x, chosen, w):
             return experts_reference(x, chosen, w, gate_up, down, act_and_mul)
 
-        check(reference, gate_up.shape[-1])
+        check(reference, gate_up.shape[-1], gate_up.shape[0])
         return self
 
 
-def match(info: ClassInfo) -> GLUExperts | None:
+def match(info: ClassInfo, classes=None) -> GLUExperts | None:
     spec = match_experts(info)
     return None if spec is None else GLUExperts(spec)

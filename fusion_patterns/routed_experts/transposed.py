@@ -128,8 +128,8 @@ class TransposedExperts:
             reports_loaded=True,
         )
 
-    def prove(self, model, info, module, check) -> "TransposedExperts":
-        """`check(reference, hidden, scale)`: the module (its weights randomised here)
+    def prove(self, config, info, module, check) -> "TransposedExperts":
+        """`check(reference, hidden, experts, scale)`: the module (its weights randomised here)
         against `reference` on random inputs of that scale and random routings. The
         form with the layout that computes it."""
         import torch
@@ -145,7 +145,7 @@ class TransposedExperts:
             raise PatternRefused(f"they also hold {', '.join(extra)}")
         experts, hidden, two_i = gate_up.shape
         built = tuple(
-            evaluate(resolve(e, info, {}), model.config, "an experts size")
+            evaluate(resolve(e, info, {}), config, "an experts size")
             for e in (self.num_experts, self.hidden, self.intermediate)
         )
         if built != (experts, hidden, two_i // 2) or tuple(down.shape) != (
@@ -167,7 +167,7 @@ class TransposedExperts:
         w13 = gate_up.transpose(1, 2)  # [E, 2I, H], as vLLM's w13
         w2 = down.transpose(1, 2)
         why = []
-        for layout, act in self._activations(model, info, biases):
+        for layout, act in self._activations(config, info, biases):
             if isinstance(act, str):  # the layout cannot be this one: why
                 why.append(f"{layout}: {act}")
                 continue
@@ -178,17 +178,19 @@ class TransposedExperts:
             try:
                 # inputs well inside a clamp, and far past it (|gate|, |up| > 7)
                 for scale in (1.0, 12.0):
-                    check(reference, hidden, scale)
+                    check(reference, hidden, experts, scale)
             except PatternRefused as exc:
                 why.append(f"{layout}: {exc}")
                 continue
             fixed = ()
             if layout == INTERLEAVED:
-                fixed = _fixed_fields(info, module, lambda: check(None, hidden, 12.0))
+                fixed = _fixed_fields(
+                    info, module, lambda: check(None, hidden, experts, 12.0)
+                )
             return replace(self, layout=layout, fixed=fixed)
         raise PatternRefused("neither layout computes them (" + "; ".join(why) + ")")
 
-    def _activations(self, model, info, biases):
+    def _activations(self, config, info, biases):
         """(layout, vLLM's activation for it, or why there is none), in order."""
         from vllm.model_executor.layers.activation import (
             SwigluOAIAndMul,
@@ -202,9 +204,7 @@ class TransposedExperts:
             yield HALVES, "biases on a halves layout are not loaded yet"
         else:
             key = str(
-                evaluate(
-                    resolve(self.act_name, info, {}), model.config, "the activation"
-                )
+                evaluate(resolve(self.act_name, info, {}), config, "the activation")
             )
             try:
                 MoEActivation.from_str(key)
@@ -257,7 +257,7 @@ def _shape(info, attr: str) -> list[cst.BaseExpression] | None:
     return args
 
 
-def match(info) -> TransposedExperts | None:
+def match(info, classes=None) -> TransposedExperts | None:
     """The form, if `__init__` builds two 3-D parameters, the gate/up one `2 * <size>`
     wide in its last dim, and biases `[E, 2I]` / `[E, H]` beside them."""
     if info.forward is None:
