@@ -12,11 +12,11 @@
 #   Fused: input_layernorm (Ministral3DecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (Ministral3DecoderLayer) -> post_attention_layernorm (RMSNorm)
 #   Fused: gate_proj + up_proj (Ministral3MLP) -> gate_up_proj (MergedColumnParallelLinear)
+#   Fused: q_proj + k_proj + v_proj (Ministral3Attention) -> qkv_proj (QKVParallelLinear)
 #   Fused: apply_rotary_pos_emb (Ministral3Attention) -> rotary_emb (get_rope, NeoX halves)
 #   Fused: residual add + input_layernorm (Ministral3DecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (Ministral3DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: attention (Ministral3Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=getattr(self.config, "sliding_window", None))
-#   Refused: q/k/v projections (Ministral3Attention): `self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2) * get_llama_4_attn_scale( position_ids, self.config.rope_parameters.get("llama_4_scaling_beta"), self.config.rope_parameters.get("original_max_position_embeddings"), ).to(self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2).dtype)` between a projection and attention
 # ======================================================================================
 """Native vLLM implementation of Ministral3ForCausalLM, generated from transformers/models/ministral3/modeling_ministral3.py."""
 
@@ -29,13 +29,13 @@ from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
+    QKVParallelLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -109,30 +109,19 @@ class Ministral3Attention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        self.q_proj = ColumnParallelLinear(
+        # Fused: q_proj + k_proj + v_proj -> qkv_proj. Each rank holds its own heads
+        # of q, k and v; with fewer kv heads than ranks, k and v are replicated.
+        self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
-            config.num_attention_heads * self.head_dim,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
             bias=False,
             quant_config=quant_config,
-            prefix=f"{prefix}.q_proj",
-            return_bias=False,
+            prefix=f"{prefix}.qkv_proj",
         )
-        self.k_proj = ColumnParallelLinear(
-            config.hidden_size,
-            config.num_key_value_heads * self.head_dim,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.k_proj",
-            return_bias=False,
-        )
-        self.v_proj = ColumnParallelLinear(
-            config.hidden_size,
-            config.num_key_value_heads * self.head_dim,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.v_proj",
-            return_bias=False,
-        )
+        self.q_size = self.qkv_proj.num_heads * self.head_dim
+        self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim,
             config.hidden_size,
@@ -147,12 +136,6 @@ class Ministral3Attention(nn.Module):
             is_neox_style=True,
             rope_parameters=config.rope_parameters,
         )
-        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
-        # of the heads (the source's reshapes count heads per rank)
-        tp_size = get_tensor_model_parallel_world_size()
-        assert (
-            config.num_key_value_heads
-        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = getattr(self.config, "sliding_window", None)
@@ -165,10 +148,10 @@ class Ministral3Attention(nn.Module):
             cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
-            config.num_attention_heads // tp_size,
+            self.qkv_proj.num_heads,
             self.head_dim,
             self.scaling,
-            num_kv_heads=config.num_key_value_heads // tp_size,
+            num_kv_heads=self.qkv_proj.num_kv_heads,
             cache_config=cache_config,
             quant_config=quant_config,
             per_layer_sliding_window=sliding_window,
@@ -187,10 +170,13 @@ class Ministral3Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
+        q, k, v = self.qkv_proj(hidden_states)[0].split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
 
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states = q.view(hidden_shape).transpose(1, 2)
+        key_states = k.view(hidden_shape).transpose(1, 2)
+        value_states = v.view(hidden_shape).transpose(1, 2)
         query_states, key_states = self._vllm_rope(positions, query_states, key_states)
         query_states = query_states * get_llama_4_attn_scale(
             position_ids,
@@ -383,7 +369,10 @@ class Ministral3Model(nn.Module):
 
 class Ministral3ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    packed_modules_mapping = {
+        "gate_up_proj": ["gate_proj", "up_proj"],
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    }
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
@@ -394,6 +383,9 @@ class Ministral3ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         orig_to_new_stacked={
             ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
             ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
         }
     )
 

@@ -8,12 +8,12 @@
 # architecture:  GeneratedPhiForCausalLM -> PhiForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: q_proj + k_proj + v_proj (PhiAttention) -> qkv_proj (QKVParallelLinear)
 #   Fused: apply_rotary_pos_emb (PhiAttention) -> rotary_emb (get_rope, NeoX halves)
 #   Unfused: decoder layer (PhiDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (PhiMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (PhiAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Refused: gate/up projections (PhiMLP): forward has no `down(act(gate(x)) * up(x))` product
-#   Refused: q/k/v projections (PhiAttention): query_states is assigned twice
 #   Refused: residual add + norm (PhiDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of PhiForCausalLM, generated from transformers/models/phi/modeling_phi.py."""
@@ -29,9 +29,13 @@ from transformers.activations import ACT2FN
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -93,30 +97,19 @@ class PhiAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        self.q_proj = ColumnParallelLinear(
+        # Fused: q_proj + k_proj + v_proj -> qkv_proj. Each rank holds its own heads
+        # of q, k and v; with fewer kv heads than ranks, k and v are replicated.
+        self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
-            config.num_attention_heads * self.head_dim,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
             bias=True,
             quant_config=quant_config,
-            prefix=f"{prefix}.q_proj",
-            return_bias=False,
+            prefix=f"{prefix}.qkv_proj",
         )
-        self.k_proj = ColumnParallelLinear(
-            config.hidden_size,
-            config.num_key_value_heads * self.head_dim,
-            bias=True,
-            quant_config=quant_config,
-            prefix=f"{prefix}.k_proj",
-            return_bias=False,
-        )
-        self.v_proj = ColumnParallelLinear(
-            config.hidden_size,
-            config.num_key_value_heads * self.head_dim,
-            bias=True,
-            quant_config=quant_config,
-            prefix=f"{prefix}.v_proj",
-            return_bias=False,
-        )
+        self.q_size = self.qkv_proj.num_heads * self.head_dim
+        self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
         self.dense = RowParallelLinear(
             config.num_attention_heads * self.head_dim,
             config.hidden_size,
@@ -146,12 +139,6 @@ class PhiAttention(nn.Module):
             is_neox_style=True,
             rope_parameters={**config.rope_parameters, "rope_dim": self.rotary_ndims},
         )
-        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
-        # of the heads (the source's reshapes count heads per rank)
-        tp_size = get_tensor_model_parallel_world_size()
-        assert (
-            config.num_key_value_heads
-        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -164,10 +151,10 @@ class PhiAttention(nn.Module):
             cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
-            config.num_attention_heads // tp_size,
+            self.qkv_proj.num_heads,
             self.head_dim,
             self.scaling,
-            num_kv_heads=config.num_key_value_heads // tp_size,
+            num_kv_heads=self.qkv_proj.num_kv_heads,
             cache_config=cache_config,
             quant_config=quant_config,
             per_layer_sliding_window=sliding_window,
@@ -185,10 +172,13 @@ class PhiAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
+        q, k, v = self.qkv_proj(hidden_states)[0].split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
 
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states = q.view(hidden_shape).transpose(1, 2)
+        key_states = k.view(hidden_shape).transpose(1, 2)
+        value_states = v.view(hidden_shape).transpose(1, 2)
 
         if self.qk_layernorm:
             query_states = self.q_layernorm(query_states)
@@ -389,14 +379,20 @@ class PhiModel(nn.Module):
 
 class PhiForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {}
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
     }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
-    hf_to_vllm_mapper = WeightsMapper()
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+        }
+    )
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

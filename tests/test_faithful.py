@@ -206,3 +206,44 @@ def test_an_attention_that_computes_its_own_mask_is_refused(tmp_path):
     )
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "out" / "llama.py").exists()
+
+
+def test_qkv_rebuilt_after_projection_is_merged_in_a_copied_attention(tmp_path):
+    """Phi concatenates its query again after partial rotary, so `query_states` is
+    assigned twice: the copied attention still merges q/k/v, the projections read off
+    the names' first assignments and the rebuild left to the dataflow proof."""
+    result = run_cli(
+        "codemods.apply", "modeling_phi.py", "--out", str(tmp_path / "out")
+    )
+    assert result.returncode == 0, result.stderr
+    assert (
+        "Fused: q_proj + k_proj + v_proj (PhiAttention) -> qkv_proj (QKVParallelLinear)"
+        in result.stderr
+    )
+    text = (tmp_path / "out" / "phi.py").read_text()
+    assert "self.qkv_proj = QKVParallelLinear(" in text
+    assert "query_states = torch.cat((query_rot, query_pass), dim=-1)" in text
+
+
+def test_a_rebuilt_query_that_reads_the_value_is_not_merged(tmp_path):
+    """The same rebuild mixing the value into the query: the attention call's query no
+    longer comes from q_proj alone, and the dataflow proof refuses the merge."""
+    path = edited_modeling_file(
+        tmp_path,
+        "modeling_phi.py",
+        "query_states = torch.cat((query_rot, query_pass), dim=-1)",
+        "query_states = torch.cat((query_rot, query_pass), dim=-1) * value_states.mean()",
+    )
+    result = run_cli(
+        "codemods.apply",
+        str(path),
+        "--trust-remote-code",
+        "--out",
+        str(tmp_path / "out"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert (
+        "Refused: q/k/v projections (PhiAttention): the attention call's query comes "
+        "from ['q_proj', 'v_proj'], not q_proj" in result.stderr
+    )
+    assert "QKVParallelLinear(" not in (tmp_path / "out" / "phi.py").read_text()

@@ -106,6 +106,13 @@ def _assignment_of(forward: cst.FunctionDef, name: str) -> cst.BaseExpression:
     return value
 
 
+def _first_assignment(forward: cst.FunctionDef, name: str) -> cst.BaseExpression:
+    found = m.findall(forward, m.Assign(targets=[m.AssignTarget(target=m.Name(name))]))
+    if not found:
+        raise PatternRefused(f"{name} is not assigned in forward")
+    return found[0].value
+
+
 class _Substitute(cst.CSTTransformer):
     def __init__(self, name: str, value: cst.BaseExpression):
         self.name, self.value = name, value
@@ -173,22 +180,31 @@ def _unwrap(
 
 
 def match(
-    info: ClassInfo, norms: dict[str, NormSpec | None]
+    info: ClassInfo, norms: dict[str, NormSpec | None], lenient: bool = False
 ) -> QKVSpec | Refusal | None:
-    """`norms`: every norm-like class, with its spec where the rms_norm pattern matched."""
+    """`norms`: every norm-like class, with its spec where the rms_norm pattern matched.
+
+    `lenient`: where a q/k/v name is rebuilt after its projection (Phi's partial rotary
+    concatenates it again, Ministral 3 scales the query by position), read the
+    projection and its input off the name's first assignment and leave what follows to
+    the dataflow proof. Only a rewrite that keeps everything after the projections as
+    the source has it (the merge of a copied attention) may ask for this."""
     if info.forward is None:
         return None
     calls = m.findall(info.forward, ATTENTION_CALL)
     if not calls:
         return None
     try:
-        return _extract(info, norms, calls[0])
+        return _extract(info, norms, calls[0], lenient)
     except PatternRefused as why:
         return Refusal(NAME, info.name, "q/k/v projections", str(why))
 
 
 def _extract(
-    info: ClassInfo, norms: dict[str, NormSpec | None], call: cst.Call
+    info: ClassInfo,
+    norms: dict[str, NormSpec | None],
+    call: cst.Call,
+    lenient: bool = False,
 ) -> QKVSpec:
     roles = m.extract(call, ATTENTION_CALL)
     names = [roles[role].value for role in ("q", "k", "v")]
@@ -197,7 +213,16 @@ def _extract(
         return _interleaved_spec(info, call, *interleaved)
     unwrapped = []
     for name in names:
-        unwrapped.append(_unwrap(_assignment_of(info.forward, name), info, norms))
+        try:
+            unwrapped.append(_unwrap(_assignment_of(info.forward, name), info, norms))
+        except PatternRefused as strict:
+            if not lenient:
+                raise
+            try:
+                first = _unwrap(_first_assignment(info.forward, name), info, norms)
+            except PatternRefused:
+                raise strict from None  # the composed form says more
+            unwrapped.append(first)
     projections = tuple(u[0] for u in unwrapped)
     sliced = {u[4] for u in unwrapped}
     packed = sliced == {True}

@@ -30,7 +30,7 @@ class QKVMerge(Pattern):
         for n, attention in model.roles.attention.items():
             if attention.eager is not None or model.claimed_whole(n):
                 continue
-            found = match(model.classes[n], head_norms)
+            found = match(model.classes[n], head_norms, lenient=True)
             if isinstance(found, Refusal):
                 yield found
                 continue
