@@ -289,6 +289,22 @@ def refuse_encoder_decoder(causal_cls, config=None) -> None:
         )
 
 
+def refuse_out_of_scope(causal_cls) -> None:
+    """Out of scope before anything is built: an encoder-decoder model or its decoder,
+    or a bidirectional encoder whose causal-LM head is the same stack run with a causal
+    mask (transformers maps its model type to a masked-LM head too: the BERT family)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    refuse_encoder_decoder(causal_cls)
+    model_type = getattr(causal_cls.config_class, "model_type", None)
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        raise CodemodError(
+            f"out of scope: encoder (bidirectional: transformers maps {model_type} to "
+            f"a masked-LM head, and {causal_cls.__name__} runs that encoder causally; "
+            "the BERT family): vLLM serves such models as pooling models"
+        )
+
+
 def build(causal_cls, values: dict | None = None):
     """(config, model) of the tiny model, its weights random (norms too)."""
     import torch

@@ -75,17 +75,29 @@ def causal_class(pymodule, classes: dict[str, ClassInfo], source: ModelSource):
     except ImportError:  # pragma: no cover
         MAPPING = {}
     mapped = set(MAPPING.values())
-    found = []
+    found, multimodal = [], []
     for name in classes:
         obj = getattr(pymodule, name, None)
         if not isinstance(obj, type) or not issubclass(obj, PreTrainedModel):
             continue
-        if not (name.endswith("ForCausalLM") or name.endswith("LMHeadModel")):
+        if not (
+            name.endswith("ForCausalLM")
+            or name.endswith("LMHeadModel")
+            or name in mapped
+        ):
             continue
         config_cls = getattr(obj, "config_class", None)
-        if config_cls is None or _multimodal(config_cls):
+        if config_cls is None:
+            continue
+        if _multimodal(config_cls):
+            multimodal.append(name)
             continue
         found.append((name not in mapped, name, obj))
+    if not found and multimodal:
+        raise CodemodError(
+            f"out of scope: not a text LM: {source.display} builds its causal LM "
+            f"({', '.join(multimodal)}) only over a multimodal config"
+        )
     if not found:
         raise CodemodError(
             f"{source.display}: no text causal LM class (…ForCausalLM / …LMHeadModel) found"
@@ -117,6 +129,13 @@ def find(source: ModelSource, pymodule, causal_cls, probe: Probe) -> Roles:
         if isinstance(mod, nn.ModuleList)
         and len(mod) == n_layers
         and path.count(".") >= 1
+    ]
+    # a list inside a layer (StableLM's per-head q/k norms, as many as the tiny
+    # config's layers) is not the layer list
+    lists = [
+        (path, mod)
+        for path, mod in lists
+        if not any(path.startswith(other + ".") for other, _ in lists)
     ]
     if len(lists) != 1:
         raise CodemodError(

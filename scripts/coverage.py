@@ -338,7 +338,10 @@ def markdown(
             share, parity = tp2_cell(r), backend_cell(r)
         else:
             verify = backend = parts = bfused = kinds = share = parity = "-"
-            result = f"{r['status']}: {r.get('reason', '')}"
+            reason = r.get("reason", "")
+            # the reason of an out-of-scope row starts with its status
+            reason = reason.removeprefix(r["status"] + ": ")
+            result = f"{r['status']}: {reason}"
         lines.append(
             "| "
             + " | ".join(

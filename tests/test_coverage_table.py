@@ -75,3 +75,12 @@ def test_the_tp2_cell_names_what_stays_whole_above_the_bound():
     assert coverage.tp2_cell(row) == "0.91: whole on every rank: FalconAttention"
     assert coverage.tp2_cell({"tp2": {"ok": True, "rank_share": 0.5}}) == "0.50"
     assert coverage.tp2_cell({"tp2": {"ok": False, "error": "boom"}}) == "FAIL: boom"
+
+
+def test_an_out_of_scope_row_says_its_status_once():
+    reason = "out of scope: encoder (bidirectional: ...): vLLM serves such models as pooling models"
+    row = {"file": "modeling_x.py", "status": "out of scope", "reason": reason}
+    table = coverage.markdown([row], {"modeling_x.py": ["x"]}, 60)
+    line = next(l for l in table.splitlines() if l.startswith("| modeling_x.py"))
+    assert "| out of scope: encoder (bidirectional: ...)" in line
+    assert "out of scope: out of scope" not in line

@@ -1,0 +1,63 @@
+"""The scope line, engine-free: what `apply` says is out of scope, and why, before it
+builds anything; and a layer list found among the lists a tiny model holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli
+
+
+@pytest.mark.parametrize(
+    "name, model_type",
+    [("modeling_roberta.py", "roberta"), ("modeling_xlm.py", "xlm")],
+)
+def test_a_masked_lm_encoder_run_causally_is_out_of_scope(name, model_type, tmp_path):
+    """The BERT family registers a causal-LM head over its bidirectional encoder:
+    transformers also maps the model type to a masked-LM head, and `apply` says so in
+    one line, writing nothing (XLM's tiny model, four parallel lists of layers, is never
+    built)."""
+    result = run_cli("codemods.apply", name, "--out", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("error: out of scope: encoder (bidirectional: ")
+    assert f"maps {model_type} to a masked-LM head" in lines[0]
+    assert "pooling models" in lines[0]
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_causal_lm_only_over_a_multimodal_config_is_not_a_text_lm(tmp_path):
+    result = run_cli("codemods.apply", "modeling_fuyu.py", "--out", str(tmp_path))
+    assert result.returncode == 2
+    assert (
+        "error: out of scope: not a text LM: transformers/models/fuyu/modeling_fuyu.py"
+        " builds its causal LM (FuyuForCausalLM) only over a multimodal config"
+        in result.stderr
+    )
+
+
+def test_a_decoder_is_in_scope_whatever_its_class_is_called():
+    """The causal-LM mapping names the class (Reformer's `ReformerModelWithLMHead`):
+    found by it, the encoder rule then decides, not the class's suffix."""
+    from codemods import loading, roles
+    from codemods.source import load
+
+    src = load("modeling_reformer.py")
+    cls = roles.causal_class(loading.load_module(src), src.classes, src)
+    assert cls.__name__ == "ReformerModelWithLMHead"
+
+
+def test_per_head_lists_inside_a_layer_are_not_the_layer_list():
+    """StableLM's per-head q/k norms are a ModuleList as long as the tiny config's
+    layer list: the list inside a layer is not taken for it, and the file generates
+    with the per-head norms copied."""
+    from codemods.apply import generate
+
+    plan, text = generate("modeling_stablelm.py")
+    assert "class StableLmLayerNormPerHead(nn.Module):" in text
+    assert "self.start_layer, self.end_layer, self.layers = make_layers(" in text
+    assert any(
+        r.describe().startswith("Fused: gate_proj + up_proj (StableLmMLP)")
+        for r in plan.records
+    )
