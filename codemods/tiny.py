@@ -137,8 +137,62 @@ def feature_values(config_cls) -> dict[str, object]:
     return values
 
 
-def tiny_values(config_cls, overrides: dict | None = None) -> dict:
-    """Config fields of the default tiny model: sizes, every feature on, then overrides."""
+def source_layer_kinds(causal_cls) -> list[str] | None:
+    """The layer types the modeling source names (transformers' allowed layer types
+    written as string literals), in the order it first names them; None where the
+    source cannot be read."""
+    import inspect
+    import re
+    import sys
+
+    from transformers.configuration_utils import ALLOWED_ATTN_LAYER_TYPES
+
+    try:
+        text = inspect.getsource(sys.modules[causal_cls.__module__])
+    except (OSError, TypeError, KeyError):
+        return None
+    named = re.findall(r"[\"']([a-z_]+)[\"']", text)
+    return list(dict.fromkeys(n for n in named if n in ALLOWED_ATTN_LAYER_TYPES))
+
+
+def mixed_layer_types(kinds: list[str] | None) -> list[str]:
+    """Four layers mixing the kinds a source builds: full and sliding attention as
+    `LAYER_PATTERN` where it names both, else its own kinds (LFM2-MoE's conv and full
+    attention), a first kind on both ends."""
+    if not kinds or {"full_attention", "sliding_attention"} <= set(kinds):
+        return list(LAYER_PATTERN)
+    if len(kinds) == 1:
+        return kinds * 4
+    if len(kinds) == 2:
+        return [kinds[0], kinds[1], kinds[1], kinds[0]]
+    return [kinds[i % len(kinds)] for i in range(max(4, len(kinds)))]
+
+
+def _fit_counts(values: dict, fields: dict, layers: int) -> None:
+    """Counts of some kind of layer (Gemma 3n's `num_kv_shared_layers`) that the
+    class's defaults size for its full depth: half the tiny model's layers, so both
+    kinds are built; vocabularies beside the main one (its per-layer input
+    embeddings' `vocab_size_per_layer_input`) the tiny vocabulary; an experts' top-k
+    under its own name, unset where the experts are off by default (Gemma 4's
+    `top_k_experts`), the tiny top-k."""
+    for name, default in fields.items():
+        if name in values:
+            continue
+        if default is None and "expert" in name and ("top_k" in name or "topk" in name):
+            values[name] = SIZES["num_experts_per_tok"]
+        if not isinstance(default, int) or isinstance(default, bool):
+            continue
+        if name.startswith("num_") and name.endswith("_layers") and default >= layers:
+            values[name] = max(1, layers // 2)
+        elif "vocab_size" in name and default > VOCAB:
+            values[name] = VOCAB
+
+
+def tiny_values(
+    config_cls, overrides: dict | None = None, layer_kinds: list[str] | None = None
+) -> dict:
+    """Config fields of the default tiny model: sizes, every feature on, then overrides.
+    `layer_kinds`: the layer types the modeling source names (`source_layer_kinds`)."""
     fields = config_cls().to_dict()
     # sizes under the config's own field names (GPT-2's n_embd for hidden_size, ...)
     alias = getattr(config_cls, "attribute_map", {}) or {}
@@ -158,7 +212,10 @@ def tiny_values(config_cls, overrides: dict | None = None) -> dict:
             if sub:
                 values[name] = {**fields[name], **sub}
     if "layer_types" in values:
+        values["layer_types"] = mixed_layer_types(layer_kinds)
         values["num_hidden_layers"] = len(values["layer_types"])
+    if "num_hidden_layers" in values:
+        _fit_counts(values, fields, values["num_hidden_layers"])
     ids = {k: fields.get(k) for k in TOKEN_IDS}
     _clamp_token_ids(ids, VOCAB)  # default ids of a full vocabulary (Phi-3's pad 32000)
     values.update({k: v for k, v in ids.items() if v != fields.get(k)})
@@ -249,7 +306,7 @@ def working_values(causal_cls, overrides: dict | None = None) -> dict:
     from . import length_regimes
 
     config_cls = causal_cls.config_class
-    base = tiny_values(config_cls, overrides)
+    base = tiny_values(config_cls, overrides, source_layer_kinds(causal_cls))
     first_error = None
     for attempt, values in enumerate(variants(config_cls, base)):
         if attempt >= 120:

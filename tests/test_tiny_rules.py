@@ -1,0 +1,63 @@
+"""Tiny-config rules over a config class's own fields and its modeling source's names,
+engine-free: each on a class that needs it (the model builds and runs only with it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from codemods import tiny
+
+
+def _causal(name: str):
+    from codemods import loading, roles
+    from codemods.source import load
+
+    src = load(name)
+    return roles.causal_class(loading.load_module(src), src.classes, src)
+
+
+@pytest.mark.parametrize(
+    "kinds, types",
+    [
+        (None, list(tiny.LAYER_PATTERN)),
+        (["sliding_attention", "full_attention"], list(tiny.LAYER_PATTERN)),
+        (
+            ["conv", "full_attention"],
+            ["conv", "full_attention", "full_attention", "conv"],
+        ),
+        (["full_attention"], ["full_attention"] * 4),
+    ],
+)
+def test_layer_types_mix_the_kinds_the_source_names(kinds, types):
+    assert tiny.mixed_layer_types(kinds) == types
+
+
+def test_layer_kinds_are_read_from_the_modeling_source():
+    # LFM2-MoE builds short convolutions and full attention, no sliding window: the
+    # usual full/sliding pattern would key its mask mapping by a kind it never builds
+    cls = _causal("modeling_lfm2_moe.py")
+    assert set(tiny.source_layer_kinds(cls)) == {"conv", "full_attention"}
+    values = tiny.working_values(cls)
+    assert set(values["layer_types"]) == {"conv", "full_attention"}
+    assert values["num_hidden_layers"] == len(values["layer_types"])
+
+
+def test_a_count_of_layers_sized_for_the_full_depth_fits_the_tiny_one():
+    # Gemma 3n shares the KV of its last `num_kv_shared_layers` (15 by default) layers,
+    # and embeds a per-layer input over its own 262k vocabulary
+    cls = _causal("modeling_gemma3n.py")
+    values = tiny.tiny_values(cls.config_class, None, tiny.source_layer_kinds(cls))
+    assert 0 < values["num_kv_shared_layers"] < values["num_hidden_layers"]
+    assert values["vocab_size_per_layer_input"] == tiny.VOCAB
+    from codemods.tiny_model import check_runs
+
+    check_runs(cls, values)  # raises where the model does not build or run
+
+
+def test_an_experts_top_k_unset_by_default_is_set_with_the_experts():
+    # Gemma 4's MoE block is a switch off by default, with `top_k_experts` None: on,
+    # it needs a top-k, and the tiny model builds its router and experts
+    cls = _causal("modeling_gemma4.py")
+    values = tiny.working_values(cls)
+    assert values["enable_moe_block"] is True
+    assert values["top_k_experts"] == 2
