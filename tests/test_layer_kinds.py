@@ -197,6 +197,20 @@ def test_llama4_positions_from_the_cache_are_refused():
     assert "counts positions from the cache's length" in result.stderr
 
 
+def test_a_base_model_counting_positions_from_the_cache_is_refused(tmp_path):
+    """TrOCR's decoder counts its position embedding's offset from the cache and hands
+    it down: the assembled base forward still reads the folded 0, so `apply` refuses
+    (it used to generate a file whose decode steps restart at position 0) and writes
+    nothing."""
+    result = run_cli("codemods.apply", "modeling_trocr.py", "--out", str(tmp_path))
+    assert result.returncode == 2
+    assert (
+        "cannot generate: TrOCRDecoder counts positions from the cache's length "
+        "(`past_key_values_length = past_key_values.get_seq_length()"
+    ) in result.stderr
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.engine
 def test_chunked_attention_runs_as_vllm_chunked_local_attention(tmp_path):
     """Llama 4 without its position-dependent temperature (the part refused above): its

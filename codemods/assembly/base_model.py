@@ -14,6 +14,7 @@ from fusion_patterns.base import ClassInfo, code, dotted_name
 from ..copying.classes import Context, _InitRewrite
 from ..copying.definitions import strip_decorators
 from ..copying.inference import inference_folded
+from ..copying.positions import refuse_if_still_used
 from ..errors import CodemodError
 from ..roles import Roles
 from .base_forward import base_forward
@@ -32,6 +33,8 @@ def emit_base(roles: Roles, ctx: Context, claims: list) -> str:
     for stmt in info.init_statements():
         body += _base_init_statement(stmt, roles, ctx, rewriter)
     forward, carried = base_forward(roles, ctx, claims)
+    # the base model's own position count (TrOCR's decoder hands its embedding one)
+    refuse_if_still_used(info, textwrap.dedent(forward), base=True)
     keys = ", ".join(f'"{k}"' for k in carried)
     body.append(
         "self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory("

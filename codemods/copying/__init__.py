@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from fusion_patterns.base import CLASS, CONSTRUCTION, REWRITE, Claim
 from fusion_patterns import sharding
 
-from ..errors import CodemodError
 from . import positions
 from .classes import CONV1D, LINEARS, Context, kept_linears, prefix_classes
 from .classes import rewrite_class
@@ -111,12 +110,7 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
         rebase = "VocabParallelEmbedding" if n in rebased else None
         rewrites = tuple(_claims(model, n, REWRITE))
         pieces[n] = rewrite_class(info, ctx, base=rebase, claims=rewrites)
-        if (found := positions.still_used(info, pieces[n])) is not None:
-            raise CodemodError(
-                f"cannot generate: {n} counts positions from the cache's length "
-                f"(`{' '.join(found.split())}`), which vLLM hands no module: under vLLM "
-                "they would restart at 0 on every decode step"
-            )
+        positions.refuse_if_still_used(info, pieces[n])
         line = _unfused_line(model, n, rewrites)
         if rebase and line is not None and not model.refused(n):
             line = Unfused(

@@ -53,3 +53,40 @@ def still_used(info: ClassInfo, emitted: str) -> str | None:
         if reads.count(name) > (1 if name in stored else 0):
             return names[name]
     return None
+
+
+# the names vLLM's positions go by in an emitted forward
+POSITION_NAMES = {"position_ids", "positions", "cache_position"}
+
+
+def handed_without_positions(info: ClassInfo, emitted: str) -> str | None:
+    """The assignment behind a cache-length name the emitted forward hands a module
+    that receives none of vLLM's positions (TrOCR's decoder: `self.embed_positions(input_ids,
+    past_key_values_length=...)`, which counts positions from it), or None. A call
+    that gets the positions too (OPT's, XGLM's embeddings) uses the length only where
+    none are given, or to size a table. (A length that only sizes a tensor, Falcon's ALiBi
+    mask, is left alone.)"""
+    names = cache_length_names(info)
+    if not names:
+        return None
+    module_call = m.Call(func=m.Attribute(value=m.Name("self")))
+    for call in m.findall(cst.parse_module(emitted), module_call):
+        read = {n.value for a in call.args for n in m.findall(a.value, m.Name())}
+        handed = [n for n in names if n in read]
+        if handed and not read & POSITION_NAMES:
+            return names[handed[0]]
+    return None
+
+
+def refuse_if_still_used(info: ClassInfo, emitted: str, base: bool = False) -> None:
+    """Raise where the emitted class still reads a cache-length name (`base`: where the
+    base model's forward hands one to a call without vLLM's positions)."""
+    from ..errors import CodemodError
+
+    found = (handed_without_positions if base else still_used)(info, emitted)
+    if found is not None:
+        raise CodemodError(
+            f"cannot generate: {info.name} counts positions from the cache's length "
+            f"(`{' '.join(found.split())}`), which vLLM hands no module: under vLLM "
+            "they would restart at 0 on every decode step"
+        )
