@@ -244,3 +244,14 @@ def test_dbrx_experts_computing_something_else_are_refused(tmp_path):
     assert "no assignment of their matrices computes them" in refused
     assert "class DbrxExperts(nn.Module)" in text
     assert any(line.startswith("Unfused: torch.compile") for line in plan.report())
+
+
+def test_a_top_k_the_router_reads_off_self_config_is_found():
+    """Gemma 4's router takes `k=self.config.top_k_experts` (the module keeps the config
+    it is built from): the experts' top-k is that field, and they run as FusedMoE."""
+    plan, _ = generate("modeling_gemma4.py")
+    assert any(
+        line.startswith("Fused: gate_up_proj + down_proj (Gemma4TextExperts)")
+        and "FusedMoE" in line
+        for line in plan.report()
+    )

@@ -294,7 +294,7 @@ def _top_k(model, info: ClassInfo, k: int, config, base: str) -> str:
             read |= {
                 n.attr.value
                 for n in m.findall(cls.node, m.Attribute())
-                if code(n.value) == base
+                if _reads_config(n.value, base)
             }
             as_k |= set(_topk_fields(cls, base))
     fields = {
@@ -325,5 +325,11 @@ def _topk_fields(info: ClassInfo, base: str):
         for value in keyword or positional[1:2]:
             if m.matches(value, m.Attribute(value=m.Name("self"))):
                 value = info.attrs.get(value.attr.value)
-            if isinstance(value, cst.Attribute) and code(value.value) == base:
+            if isinstance(value, cst.Attribute) and _reads_config(value.value, base):
                 yield value.attr.value
+
+
+def _reads_config(node: cst.BaseExpression, base: str) -> bool:
+    """`config.<field>`, or `self.config.<field>` in a module built from `config`
+    (Gemma 4's router reads its top-k so)."""
+    return code(node) in (base, f"self.{base}")
