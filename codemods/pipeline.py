@@ -43,7 +43,7 @@ def claimed(
     causal_cls, kinds = layer_kinds.for_source(source, trust_remote_code)
     if causal_cls is None:
         causal_cls = roles.causal_class(pymodule, source.classes, source)
-    probe.refuse_out_of_scope(causal_cls)
+    probe.refuse_out_of_scope(causal_cls, source.classes.get(causal_cls.__name__))
     values = None
     if kinds is not None:
         layer_kinds.refuse_unservable(causal_cls, kinds, source.classes)

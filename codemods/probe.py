@@ -289,13 +289,21 @@ def refuse_encoder_decoder(causal_cls, config=None) -> None:
         )
 
 
-def refuse_out_of_scope(causal_cls) -> None:
+def refuse_out_of_scope(causal_cls, info: ClassInfo | None = None) -> None:
     """Out of scope before anything is built: an encoder-decoder model or its decoder,
-    or a bidirectional encoder whose causal-LM head is the same stack run with a causal
-    mask (transformers maps its model type to a masked-LM head too: the BERT family)."""
+    a bidirectional encoder whose causal-LM head is the same stack run with a causal
+    mask (transformers maps its model type to a masked-LM head too: the BERT family),
+    or a causal LM (`info`, its source) that cannot run from token ids alone."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
     refuse_encoder_decoder(causal_cls)
+    if info is not None and (needed := _required_inputs(info)):
+        raise CodemodError(
+            f"out of scope: not a standalone LM: {info.name}.forward raises without "
+            f"{' and '.join(f'`{n}`' for n in needed)}, which token ids alone do not "
+            "give (a draft model that reads another model's states: vLLM runs such "
+            "a model only inside its speculative decoding)"
+        )
     model_type = getattr(causal_cls.config_class, "model_type", None)
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         raise CodemodError(
@@ -303,6 +311,41 @@ def refuse_out_of_scope(causal_cls) -> None:
             f"a masked-LM head, and {causal_cls.__name__} runs that encoder causally; "
             "the BERT family): vLLM serves such models as pooling models"
         )
+
+
+def _required_inputs(info: ClassInfo) -> list[str]:
+    """The forward parameters besides `input_ids` whose absence alone makes the forward
+    raise (`if inputs_embeds is None or shared_kv_states is None: raise ...`, at the
+    top of the forward). "Either ids or embeddings" checks raise only when both are
+    missing, and are not this."""
+    if info.forward is None:
+        return []
+    params = {p.name.value for p in info.forward.params.params} - {"self", "input_ids"}
+    needed: list[str] = []
+    for stmt in info.forward.body.body:
+        if not m.matches(
+            stmt, m.If(body=m.IndentedBlock([m.SimpleStatementLine([m.Raise()])]))
+        ):
+            continue
+        tests = [stmt.test]
+        while tests and isinstance(tests[-1], cst.BooleanOperation):
+            op = tests.pop()
+            if not isinstance(op.operator, cst.Or):
+                break
+            tests += [op.left, op.right]
+        for test in tests:
+            if (
+                m.matches(
+                    test,
+                    m.Comparison(
+                        left=m.Name(),
+                        comparisons=[m.ComparisonTarget(m.Is(), m.Name("None"))],
+                    ),
+                )
+                and test.left.value in params
+            ):
+                needed.append(test.left.value)
+    return needed
 
 
 def build(causal_cls, values: dict | None = None):

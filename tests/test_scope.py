@@ -61,3 +61,45 @@ def test_per_head_lists_inside_a_layer_are_not_the_layer_list():
         r.describe().startswith("Fused: gate_proj + up_proj (StableLmMLP)")
         for r in plan.records
     )
+
+
+def test_a_draft_model_that_needs_another_models_states_is_not_a_standalone_lm(
+    tmp_path,
+):
+    """Gemma 4's assistant raises unless handed the main model's embeddings and KV
+    states: no token-ids-only run exists to verify, and `apply` says so in one line."""
+    result = run_cli(
+        "codemods.apply", "modeling_gemma4_assistant.py", "--out", str(tmp_path)
+    )
+    assert result.returncode == 2
+    assert (
+        "error: out of scope: not a standalone LM: Gemma4AssistantForCausalLM.forward "
+        "raises without `inputs_embeds` and `shared_kv_states`" in result.stderr
+    )
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_either_ids_or_embeddings_check_is_not_a_required_input():
+    """`if (input_ids is None) ^ (inputs_embeds is not None): raise` and `if input_ids
+    is None and inputs_embeds is None: raise` ask for one of the two, not for both."""
+    import libcst as cst
+
+    from codemods.probe import _required_inputs
+    from codemods.source import class_infos
+
+    def required(check: str) -> list[str]:
+        module = cst.parse_module(
+            "class M:\n"
+            "    def forward(self, input_ids=None, inputs_embeds=None, extra=None):\n"
+            f"        if {check}:\n"
+            "            raise ValueError('no')\n"
+            "        return input_ids\n"
+        )
+        return _required_inputs(class_infos(module)["M"])
+
+    assert required("(input_ids is None) ^ (inputs_embeds is not None)") == []
+    assert required("input_ids is None and inputs_embeds is None") == []
+    assert required("inputs_embeds is None or extra is None") == [
+        "inputs_embeds",
+        "extra",
+    ]
