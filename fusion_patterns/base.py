@@ -194,6 +194,25 @@ def linear_args(
     )
 
 
+def with_positions_param(forward: cst.FunctionDef) -> cst.FunctionDef:
+    """`forward` taking vLLM's `positions` (a keyword defaulting to None), unless it
+    does already."""
+    params = forward.params
+    names = {p.name.value for p in [*params.params, *params.kwonly_params]}
+    if "positions" in names:
+        return forward
+    param = cst.Param(
+        cst.Name("positions"),
+        annotation=cst.Annotation(cst.parse_expression("torch.Tensor | None")),
+        default=cst.Name("None"),
+    )
+    if isinstance(params.star_arg, cst.Param) or params.kwonly_params:
+        params = params.with_changes(kwonly_params=[*params.kwonly_params, param])
+    else:
+        params = params.with_changes(params=[*params.params, param])
+    return forward.with_changes(params=params)
+
+
 def is_linear(info: ClassInfo, attr: str) -> bool:
     return info.constructed_class(attr) in ("nn.Linear", "torch.nn.Linear", "Linear")
 

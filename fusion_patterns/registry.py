@@ -4,10 +4,11 @@ Order matters where one pattern reads another's claims: norms first (the attenti
 head norms, the residual fold and the latent attention build on proven norms), then the
 blocks inside a layer (a MoE block before a gated MLP, so a router is never taken for a
 gate, and before its experts alone, taken only where the block is not), then the attention whole (latent, then vLLM's own layout) before the merge of a
-copied attention's projections and vLLM's rope in a copied attention, and the
-residual fold last.
+copied attention's projections, vLLM's rope in a copied attention and vLLM's positions
+for a count from the cache, and the residual fold last.
 """
 
+from .cache_positions import CachePositions
 from .glu import GLU
 from .mla import LatentAttention
 from .moe import MoE
@@ -26,5 +27,6 @@ PATTERNS = (
     NativeAttention(),
     QKVMerge(),
     Rope(),
+    CachePositions(),
     ResidualFold(),
 )

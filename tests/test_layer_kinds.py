@@ -191,12 +191,6 @@ def test_mask_kinds():
     assert mask_kind(torch.ones(1, 1, 12, 12, dtype=torch.bool), 12)[0] == "other"
 
 
-def test_llama4_positions_from_the_cache_are_refused():
-    result = run_cli("codemods.apply", "modeling_llama4.py", "--check")
-    assert result.returncode == 2
-    assert "counts positions from the cache's length" in result.stderr
-
-
 def test_a_base_model_counting_positions_from_the_cache_is_refused(tmp_path):
     """TrOCR's decoder counts its position embedding's offset from the cache and hands
     it down: the assembled base forward still reads the folded 0, so `apply` refuses

@@ -302,8 +302,8 @@ def _instance_kinds(model: Model, cls: str) -> list[tuple[object, object]]:
 
 
 def _need_positions(model: Model) -> set[str]:
-    """Copied classes that hand vLLM's positions down to a claimed module needing them,
-    directly or through other copied classes (the decoder layer, a wrapper block)."""
+    """Claimed modules needing vLLM's positions, and the copied classes that hand them
+    down, directly or through other copied classes (the decoder layer, a wrapper block)."""
     roles, classes = model.roles, model.classes
     need = {c.class_name for c in model.claims if c.needs_positions}
     if not need:
@@ -322,7 +322,9 @@ def _need_positions(model: Model) -> set[str]:
             if children & (need | out):
                 out.add(n)
                 changed = True
-    return out
+    # the claimed classes too: a caller hands them `positions=positions` unless the
+    # claim's own call site does (the rope's), and their forward takes them
+    return out | need
 
 
 def _is_pretrained_helper(name: str, model: Model) -> bool:

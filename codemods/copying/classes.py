@@ -25,6 +25,7 @@ from fusion_patterns.base import (
     code,
     dotted_name,
     linear_args,
+    with_positions_param,
 )
 from fusion_patterns.emitting import with_keyword
 from fusion_patterns.sharding import PACKED
@@ -600,20 +601,9 @@ class _Positions(cst.CSTTransformer):
     def leave_FunctionDef(self, original, updated: cst.FunctionDef):
         if updated.name.value != "forward":
             return updated
-        names = {p.name.value for p in m.findall(updated.params, m.Param())}
-        if "positions" in names:
-            return updated
-        param = cst.Param(
-            cst.Name("positions"),
-            annotation=cst.Annotation(cst.parse_expression("torch.Tensor | None")),
-            default=cst.Name("None"),
-        )
-        params = updated.params
-        if isinstance(params.star_arg, cst.Param) or params.kwonly_params:
-            params = params.with_changes(kwonly_params=[*params.kwonly_params, param])
-        else:
-            params = params.with_changes(params=[*params.params, param])
-        return updated.with_changes(params=params)
+        if "positions" in {p.name.value for p in m.findall(updated.params, m.Param())}:
+            return updated  # (a `*args`/`**kwargs` named so too)
+        return with_positions_param(updated)
 
     def leave_Call(self, original, updated: cst.Call):
         if not m.matches(updated.func, m.Attribute(value=m.Name("self"))):

@@ -13,8 +13,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from fusion_patterns.base import ClassInfo, code
-
-CACHE_LENGTH = m.Call(func=m.Attribute(attr=m.Name("get_seq_length")))
+from fusion_patterns.cache_positions import CACHE_LENGTH
 
 
 def cache_length_names(info: ClassInfo) -> dict[str, str]:

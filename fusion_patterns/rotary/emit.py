@@ -8,7 +8,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from ..base import code
+from ..base import code, with_positions_param
 from ..emitting import DefaultNone
 from .match import RopeSpec
 
@@ -102,19 +102,7 @@ def rewrite_forward(forward: cst.FunctionDef, spec: RopeSpec) -> cst.FunctionDef
     forward = forward.visit(Replace(spec))
     if spec.drop:
         forward = forward.visit(DropUnpack(spec)).visit(DefaultNone({spec.param}))
-    params = forward.params
-    names = {p.name.value for p in [*params.params, *params.kwonly_params]}
-    if "positions" not in names:
-        param = cst.Param(
-            cst.Name("positions"),
-            annotation=cst.Annotation(cst.parse_expression("torch.Tensor | None")),
-            default=cst.Name("None"),
-        )
-        if isinstance(params.star_arg, cst.Param) or params.kwonly_params:
-            params = params.with_changes(kwonly_params=[*params.kwonly_params, param])
-        else:
-            params = params.with_changes(params=[*params.params, param])
-    return forward.with_changes(params=params)
+    return with_positions_param(forward)
 
 
 def tables_unread(forward: cst.FunctionDef, spec: RopeSpec) -> bool:
