@@ -302,8 +302,8 @@ def _instance_kinds(model: Model, cls: str) -> list[tuple[object, object]]:
 
 
 def _need_positions(model: Model) -> set[str]:
-    """Claimed modules needing vLLM's positions, and the copied classes that hand them
-    down, directly or through other copied classes (the decoder layer, a wrapper block)."""
+    """Claimed modules needing vLLM's positions, and the copied classes that hand
+    them down, directly or through others (the decoder layer, a wrapper block)."""
     roles, classes = model.roles, model.classes
     need = {c.class_name for c in model.claims if c.needs_positions}
     if not need:
