@@ -58,6 +58,14 @@ def test_llama4_attention_temperature_reads_vllms_positions():
     assert not [line for line in code_lines if "+ past_seen_tokens" in line]
     assert "torch.floor((positions.float() + 1.0) / self.floor_scale)" in text
     assert "positions=positions," in text
+    # its experts stay the source's bmm over every expert: held whole under TP, and said
+    assert any(
+        line.startswith(
+            "Unfused: tensor parallel (Llama4TextExperts): replicated on every rank: "
+            "gate_up_proj, down_proj"
+        )
+        for line in plan.report()
+    )
 
 
 def test_a_count_off_by_one_is_not_vllms_positions_and_is_refused(tmp_path):

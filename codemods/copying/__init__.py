@@ -153,6 +153,17 @@ def _replicated(
     said = {u.source_class for u in noted}
     out = []
     for n, text in pieces.items():
+        if n not in said and (stacks := _stacked_parameters(model, n)):
+            # copied experts (Llama 4's bmm over every expert): no linear to shard
+            out.append(
+                Unfused(
+                    n,
+                    "tensor parallel",
+                    f"replicated on every rank: {', '.join(stacks)} (stacked "
+                    "parameters of a copied class, not vLLM layers: every rank holds "
+                    "them whole)",
+                )
+            )
         attrs = re.findall(
             r"self\.(\w+) = (?:conv1d_layout\()?ReplicatedLinear\(", text
         )
@@ -182,6 +193,15 @@ def _replicated(
                 )
             )
     return out
+
+
+def _stacked_parameters(model, cls: str) -> list[str]:
+    """The class's own parameters of three or more dims (a stack of experts' weights)
+    in the tiny model."""
+    inst = model.first(cls)
+    if inst is None:
+        return []
+    return [n for n, p in inst.named_parameters(recurse=False) if p.dim() >= 3]
 
 
 def _own(attrs: list[str], text: str) -> list[str]:
