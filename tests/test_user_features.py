@@ -126,7 +126,9 @@ def assert_w8a8_matches(
         ], (name, row["layers"][name])
     for name, error in row["layer_rel_error"].items():
         assert error <= LAYER_TOLERANCE, (name, error)
-    assert row["tokens_equal"]
+    # greedy tokens equal, or split only at a near tie of the reference (int8 rounds
+    # per CPU: AMD's VNNI and Intel's AMX kernels break a tie differently)
+    assert row["tokens_equal"] or max(row["tie_gaps"]) <= tolerance, row["tie_gaps"]
     assert row["max_abs_logprob_diff"] <= tolerance
 
 
