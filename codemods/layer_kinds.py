@@ -288,24 +288,16 @@ def cover(
     return Cover(variants=variants, built=builts, kinds=kinds, unbuilt=unbuilt)
 
 
-def for_source(source, trust_remote_code: bool = False):
-    """(causal LM class, Cover) of a modeling file, or (None, None) where the file has
-    no text causal LM or its tiny model does not run (the tiers say why)."""
-    from . import loading, tiny
-    from .errors import CodemodError
-    from .roles import causal_class
+def for_source(causal_cls, source):
+    """The Cover of a modeling file's causal LM, or None where its tiny model does
+    not run (the tiers say why)."""
+    from . import tiny
 
-    pymodule = loading.load_module(source, trust_remote_code)
-    classes = source.classes
     try:
-        causal_cls = causal_class(pymodule, classes, source)
         values = tiny.working_values(causal_cls)
-    except (
-        CodemodError,
-        Exception,
-    ):  # noqa: BLE001 - reported by the tier that needs it
-        return None, None
-    return causal_cls, cover(causal_cls, source.module, classes, values)
+    except Exception:  # noqa: BLE001 - reported by the tier that needs it
+        return None
+    return cover(causal_cls, source.module, source.classes, values)
 
 
 def _inside_attention(sites: list[branches.Site], classes) -> bool:
@@ -330,11 +322,7 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
 
     from .errors import CodemodError
 
-    from .probe import refuse_encoder_decoder
-
-    # before any kind: out of scope whatever it builds (MVP's prompt modules need its
-    # encoder's config, so no tiny config builds them)
-    refuse_encoder_decoder(causal_cls)
+    # (an encoder-decoder model is out of scope before this: `probe.refuse_out_of_scope`)
     pymodule = sys.modules[causal_cls.__module__]
     for kind in found.kinds:
         obj = getattr(pymodule, kind, None)

@@ -39,11 +39,11 @@ def claimed(
     refusals (call inside `set_current_vllm_config`)."""
     source = load(name)
     pymodule = loading.load_module(source, trust_remote_code)
-    # every kind of layer the source can build, in the tiny configs that build them
-    causal_cls, kinds = layer_kinds.for_source(source, trust_remote_code)
-    if causal_cls is None:
-        causal_cls = roles.causal_class(pymodule, source.classes, source)
+    causal_cls = roles.causal_class(pymodule, source.classes, source)
+    # before any tiny model is built
     probe.refuse_out_of_scope(causal_cls, source.classes.get(causal_cls.__name__))
+    # every kind of layer the source can build, in the tiny configs that build them
+    kinds = layer_kinds.for_source(causal_cls, source)
     values = None
     if kinds is not None:
         layer_kinds.refuse_unservable(causal_cls, kinds, source.classes)

@@ -198,8 +198,7 @@ def with_positions_param(forward: cst.FunctionDef) -> cst.FunctionDef:
     """`forward` taking vLLM's `positions` (a keyword defaulting to None), unless it
     does already."""
     params = forward.params
-    names = {p.name.value for p in [*params.params, *params.kwonly_params]}
-    if "positions" in names:
+    if "positions" in {p.name.value for p in m.findall(params, m.Param())}:
         return forward
     param = cst.Param(
         cst.Name("positions"),

@@ -73,28 +73,30 @@ class CachePositionsSpec:
     statement: str  # the source's assignment, for the report
 
 
+def _count_from_cache(value: cst.BaseExpression, lengths) -> tuple[str, str] | None:
+    """(cache-length name, tensor whose dim 1 is counted) where `value` is
+    `torch.arange(<x>.shape[1], ...) + <length>` (either order), else None."""
+    if not m.matches(value, m.BinaryOperation(operator=m.Add())):
+        return None
+    for arange, length in ((value.left, value.right), (value.right, value.left)):
+        if m.matches(arange, _ARANGE) and m.matches(length, m.Name()):
+            if length.value in lengths:
+                shape = arange.args[0].value  # <x>.shape[1]
+                return length.value, shape.value.value.value
+    return None
+
+
 def match(info: ClassInfo) -> list[CachePositionsSpec]:
     if info.forward is None:
         return []
     lengths = cache_length_names(info.forward)
-    if not lengths:
-        return []
     out = []
     for assign in m.findall(info.forward, m.Assign(targets=[m.AssignTarget(m.Name())])):
-        value = assign.value
-        if not m.matches(value, m.BinaryOperation(operator=m.Add())):
-            continue
-        for arange, length in ((value.left, value.right), (value.right, value.left)):
-            if m.matches(arange, _ARANGE) and m.matches(length, m.Name()):
-                if length.value in lengths:
-                    out.append(
-                        CachePositionsSpec(
-                            assign.targets[0].target.value,
-                            length.value,
-                            arange.args[0].value.value.value.value,
-                            f"{assign.targets[0].target.value} = {code(value)}",
-                        )
-                    )
+        if (found := _count_from_cache(assign.value, lengths)) is not None:
+            target = assign.targets[0].target.value
+            out.append(
+                CachePositionsSpec(target, *found, f"{target} = {code(assign.value)}")
+            )
     return out
 
 
@@ -172,15 +174,9 @@ class _ToPositions(cst.CSTTransformer):
 
     def leave_Assign(self, original, updated: cst.Assign):
         if not (
-            len(updated.targets) == 1
-            and m.matches(updated.targets[0].target, m.Name())
+            m.matches(updated, m.Assign(targets=[m.AssignTarget(m.Name())]))
             and updated.targets[0].target.value in self.targets
-            and m.matches(updated.value, m.BinaryOperation(operator=m.Add()))
-            and any(
-                m.matches(side, m.Name(n))
-                for side in (updated.value.left, updated.value.right)
-                for n in self.lengths
-            )
+            and _count_from_cache(updated.value, self.lengths) is not None
         ):
             return updated
         return updated.with_changes(value=cst.Name("positions"))

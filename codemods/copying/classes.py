@@ -601,8 +601,6 @@ class _Positions(cst.CSTTransformer):
     def leave_FunctionDef(self, original, updated: cst.FunctionDef):
         if updated.name.value != "forward":
             return updated
-        if "positions" in {p.name.value for p in m.findall(updated.params, m.Param())}:
-            return updated  # (a `*args`/`**kwargs` named so too)
         return with_positions_param(updated)
 
     def leave_Call(self, original, updated: cst.Call):

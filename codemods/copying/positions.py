@@ -12,8 +12,8 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from fusion_patterns.base import ClassInfo, code
-from fusion_patterns.cache_positions import CACHE_LENGTH
+from fusion_patterns.base import ClassInfo
+from fusion_patterns.cache_positions import cache_length_names as method_cache_lengths
 
 
 def cache_length_names(info: ClassInfo) -> dict[str, str]:
@@ -21,16 +21,8 @@ def cache_length_names(info: ClassInfo) -> dict[str, str]:
     length (outside __init__)."""
     out = {}
     for method in info.node.body.body:
-        if not isinstance(method, cst.FunctionDef) or method.name.value == "__init__":
-            continue
-        for assign in m.findall(method, m.Assign()):
-            if not m.findall(assign.value, CACHE_LENGTH):
-                continue
-            for target in assign.targets:
-                if isinstance(target.target, cst.Name):
-                    out[target.target.value] = (
-                        f"{target.target.value} = {code(assign.value)}"
-                    )
+        if isinstance(method, cst.FunctionDef) and method.name.value != "__init__":
+            out.update(method_cache_lengths(method))
     return out
 
 

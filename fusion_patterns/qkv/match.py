@@ -92,12 +92,7 @@ def _assignment_of(forward: cst.FunctionDef, name: str) -> cst.BaseExpression:
     in order, each later one that reads `name` composed with the one before
     (`q = self.q_proj(x).view(s)`, `q = self.q_norm(q)` -> `self.q_norm(self.q_proj(x).view(s))`).
     Tuple assignments (the rotary call) are left to the proof."""
-    found = m.findall(
-        forward,
-        m.Assign(targets=[m.AssignTarget(target=m.Name(name))]),
-    )
-    if not found:
-        raise PatternRefused(f"{name} is not assigned in forward")
+    found = _assignments(forward, name)
     value = found[0].value
     for later in found[1:]:
         if not m.findall(later.value, m.Name(name)):
@@ -106,11 +101,12 @@ def _assignment_of(forward: cst.FunctionDef, name: str) -> cst.BaseExpression:
     return value
 
 
-def _first_assignment(forward: cst.FunctionDef, name: str) -> cst.BaseExpression:
+def _assignments(forward: cst.FunctionDef, name: str) -> list[cst.Assign]:
+    """`name = ...` statements of `forward`, in order (at least one)."""
     found = m.findall(forward, m.Assign(targets=[m.AssignTarget(target=m.Name(name))]))
     if not found:
         raise PatternRefused(f"{name} is not assigned in forward")
-    return found[0].value
+    return found
 
 
 class _Substitute(cst.CSTTransformer):
@@ -219,7 +215,7 @@ def _extract(
             if not lenient:
                 raise
             try:
-                first = _unwrap(_first_assignment(info.forward, name), info, norms)
+                first = _unwrap(_assignments(info.forward, name)[0].value, info, norms)
             except PatternRefused:
                 raise strict from None  # the composed form says more
             unwrapped.append(first)
