@@ -293,15 +293,23 @@ KV_CACHE_USES = {
 CACHE_NAMES = {"past_key_values", "past_key_value", "cache_params", "layer_past"}
 
 
-def kept_state(info: ClassInfo) -> str | None:
-    """What `info` keeps across decode steps besides the KV cache, or None: a
-    convolution over the sequence (its last inputs carry over), or a use of the cache
-    beyond storing keys and values (`past_key_values.update_conv_state`)."""
+def convolution(info: ClassInfo) -> str | None:
+    """The convolution over the sequence `info` builds (`nn.Conv1d`), or None."""
     if info.init is not None:
         for call in m.findall(info.init, m.Call()):
             name = dotted_name(call.func) or ""
             if name.split(".")[-1] in ("Conv1d", "CausalConv1d"):
-                return f"a convolution over the sequence ({name})"
+                return name
+    return None
+
+
+def kept_state(info: ClassInfo) -> str | None:
+    """What `info` keeps across decode steps besides the KV cache, or None: a
+    convolution over the sequence (its last inputs carry over), or a use of the cache
+    beyond storing keys and values (`past_key_values.update_conv_state`)."""
+    conv = convolution(info)
+    if conv:
+        return f"a convolution over the sequence ({conv})"
     for method in info.node.body.body:  # every method: helpers the forward calls too
         if not isinstance(method, cst.FunctionDef) or method.name.value == "__init__":
             continue

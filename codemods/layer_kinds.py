@@ -329,7 +329,9 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
         if isinstance(obj, type) and issubclass(obj, PreTrainedModel):
             continue  # the base model and the causal LM: their forward is vLLM's
         why = branches.kept_state(classes[kind])
-        if why and _inside_attention(found.kinds[kind], classes):
+        # a convolution is a state cache's job wherever it sits (ZAYA's q/k mixing)
+        selects = not branches.convolution(classes[kind])
+        if why and selects and _inside_attention(found.kinds[kind], classes):
             raise CodemodError(
                 f"cannot generate: {kind}, inside the attention, keeps its own state "
                 f"in the cache ({why}): a sparse selection vLLM's Attention cannot take"

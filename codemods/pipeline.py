@@ -41,7 +41,7 @@ def claimed(
     pymodule = loading.load_module(source, trust_remote_code)
     causal_cls = roles.causal_class(pymodule, source.classes, source)
     # before any tiny model is built
-    probe.refuse_out_of_scope(causal_cls, source.classes.get(causal_cls.__name__))
+    probe.refuse_out_of_scope(causal_cls, source)
     # every kind of layer the source can build, in the tiny configs that build them
     kinds = layer_kinds.for_source(causal_cls, source)
     values = None

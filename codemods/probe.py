@@ -22,7 +22,7 @@ import libcst.matchers as m
 
 from fusion_patterns.base import ClassInfo, code
 
-from .attention_calls import AttentionCall, eager_functions, interface_call
+from .attention_calls import AttentionCall, eager_functions, interface_call, interface_name
 from .errors import CodemodError
 
 PROBE_TOKENS = 40  # past the tiny windows (8) and the shrunk lengths (32), so both show in the masks
@@ -268,7 +268,7 @@ def probe(pymodule, classes: dict[str, ClassInfo], causal_cls, values) -> Probe:
     except Exception as exc:
         raise CodemodError(
             f"cannot run a tiny {causal_cls.__name__} from the source: "
-            f"{type(exc).__name__}: {_first_line(exc)}"
+            f"{type(exc).__name__}: {one_line(exc)}"
         ) from None
     found.eager = eager
     return found
@@ -289,13 +289,15 @@ def refuse_encoder_decoder(causal_cls, config=None) -> None:
         )
 
 
-def refuse_out_of_scope(causal_cls, info: ClassInfo | None = None) -> None:
+def refuse_out_of_scope(causal_cls, source) -> None:
     """Out of scope before anything is built: an encoder-decoder model or its decoder,
     a bidirectional encoder whose causal-LM head is the same stack run with a causal
     mask (transformers maps its model type to a masked-LM head too: the BERT family),
-    or a causal LM (`info`, its source) that cannot run from token ids alone."""
+    a causal LM that cannot run from token ids alone, or a file in which nothing
+    attends (Mamba 2: its tiny config need not even validate to say so)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
+    info = source.classes.get(causal_cls.__name__)
     refuse_encoder_decoder(causal_cls)
     if info is not None and (needed := _required_inputs(info)):
         raise CodemodError(
@@ -311,6 +313,35 @@ def refuse_out_of_scope(causal_cls, info: ClassInfo | None = None) -> None:
             f"a masked-LM head, and {causal_cls.__name__} runs that encoder causally; "
             "the BERT family): vLLM serves such models as pooling models"
         )
+    if not _attends(source):
+        raise CodemodError(
+            f"out of scope: no class of {source.path.name} calls transformers' "
+            "attention interface or computes attention itself: a mixer that is not "
+            "attention (vLLM's Transformers backend cannot serve it either)"
+        )
+
+
+def _attends(source) -> bool:
+    """Some class of the file attends, or the file builds on another model's modules
+    (`from ..llama.modeling_llama import ...`, `AutoModel`), which may."""
+    from .copying import eager_attention
+
+    for imp in m.findall(source.module, m.ImportFrom()):
+        names = [] if isinstance(imp.names, cst.ImportStar) else imp.names
+        parts = (code(imp.module) if imp.module is not None else "").split(".")
+        # a model package's modules, not transformers' own `modeling_utils`
+        sibling = len(parts) > 1 and parts[-2] != "transformers"
+        if (sibling and parts[-1].startswith("modeling_")) or any(
+            code(a.name).startswith("AutoModel") for a in names
+        ):
+            return True
+    return any(
+        info.forward is not None
+        # any interface lookup counts: DiffLlama calls it twice (a refusal by roles,
+        # not a mixer out of scope)
+        and (interface_name(info.forward) or eager_attention.find(info))
+        for info in source.classes.values()
+    )
 
 
 def _required_inputs(info: ClassInfo) -> list[str]:
@@ -368,12 +399,13 @@ def build(causal_cls, values: dict | None = None):
     except Exception as exc:
         raise CodemodError(
             f"cannot build a tiny {causal_cls.__name__} from the source: "
-            f"{type(exc).__name__}: {_first_line(exc)}"
+            f"{type(exc).__name__}: {one_line(exc)}"
         ) from None
     tiny.randomize(model)
     return config, model
 
 
-def _first_line(exc) -> str:
-    text = str(exc)
-    return text.splitlines()[0] if text else ""
+def one_line(exc) -> str:
+    """An exception's message on one line (a validator's error says its reason on the
+    second)."""
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())

@@ -241,6 +241,10 @@ def variants(config_cls, values: dict):
     if "head_dim" in values:
         # a head size the source's own defaults assume (rope sections sized for 128)
         fixes.append(lambda v: v.update(head_dim=128))
+    smaller = _smaller_defaults(config_cls, values)
+    if smaller:
+        # counts the class's validators hold to its defaults (ZAYA: top-1 routing only)
+        fixes.append(lambda v: v.update(smaller))
     layers_field = next(
         (
             k
@@ -297,6 +301,23 @@ def variants(config_cls, values: dict):
         if drop is not None:
             v.pop(drop, None)
         yield v
+
+
+def _smaller_defaults(config_cls, values: dict) -> dict:
+    """The tiny sizes whose class default is smaller still (a top-k of 1, a single kv
+    head), at that default: restoring them never grows the model."""
+    try:
+        defaults = config_cls().to_dict()
+    except Exception:  # noqa: BLE001 - a class whose defaults do not validate
+        return {}
+    return {
+        k: defaults[k]
+        for k in SIZES
+        if isinstance(values.get(k), int)
+        and isinstance(defaults.get(k), int)
+        and not isinstance(defaults[k], bool)
+        and 0 < defaults[k] < values[k]
+    }
 
 
 def working_values(causal_cls, overrides: dict | None = None) -> dict:

@@ -311,7 +311,7 @@ def tiny_configs(
     """The tiny configs to verify: a published config shrunk (`--config`), the tiny
     values with `--override`s, or else every config `layer_kinds.cover` needs to build
     each kind of layer the source can build."""
-    from . import layer_kinds, tiny
+    from . import layer_kinds, probe, tiny
 
     config_cls = causal_cls.config_class
     if config_json is not None:
@@ -324,7 +324,7 @@ def tiny_configs(
     except Exception as exc:  # the source's own model fails: say so in one line
         raise CodemodError(
             f"cannot build a tiny {causal_cls.__name__} from the source: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            f"{type(exc).__name__}: {probe.one_line(exc)}"
         ) from None
     variants = [values]
     if not overrides:  # what the user set is what runs

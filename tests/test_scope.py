@@ -103,3 +103,36 @@ def test_an_either_ids_or_embeddings_check_is_not_a_required_input():
         "inputs_embeds",
         "extra",
     ]
+
+
+def test_a_file_in_which_nothing_attends_is_out_of_scope_before_any_build(tmp_path):
+    """Mamba 2's mixer is a state-space scan: said from the source, before its tiny
+    config (which its own validator rejects) is built."""
+    result = run_cli("codemods.apply", "modeling_mamba2.py", "--out", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith(
+        "error: out of scope: no class of modeling_mamba2.py calls transformers' "
+        "attention interface"
+    )
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_convolution_inside_attention_is_a_state_cache_not_a_selection(tmp_path):
+    """ZAYA mixes its q/k with a causal convolution over the sequence: state carried
+    across decode steps that only vLLM's own state caches hold, not a sparse top-k."""
+    result = run_cli("codemods.apply", "modeling_zaya.py", "--out", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip()
+    assert line.startswith("error: out of scope: ZayaCCAProjection keeps state")
+    assert "a convolution over the sequence (nn.Conv1d)" in line
+    assert "sparse selection" not in line
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_two_line_error_is_reported_on_one_line():
+    from codemods.probe import one_line
+
+    exc = ValueError("Class validation error for 'validate_architecture':\n    top-1 only\n")
+    assert one_line(exc) == "Class validation error for 'validate_architecture': top-1 only"

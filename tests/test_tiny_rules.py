@@ -61,3 +61,14 @@ def test_an_experts_top_k_unset_by_default_is_set_with_the_experts():
     values = tiny.working_values(cls)
     assert values["enable_moe_block"] is True
     assert values["top_k_experts"] == 2
+
+
+def test_a_count_the_class_validates_at_its_default_is_kept_at_it():
+    # ZAYA's validator accepts top-1 routing only: the tiny top-k (2) fails it, and the
+    # class default (1), smaller still, builds
+    cls = _causal("modeling_zaya.py")
+    plain = tiny.tiny_values(cls.config_class, None, tiny.source_layer_kinds(cls))
+    assert plain["num_experts_per_tok"] > 1
+    with pytest.raises(Exception, match="num_experts_per_tok=1"):
+        cls.config_class(**plain)
+    assert tiny.working_values(cls)["num_experts_per_tok"] == 1
