@@ -324,21 +324,24 @@ def working_values(causal_cls, overrides: dict | None = None) -> dict:
     """The first of `variants` whose model builds and runs a forward in transformers
     (the error of the plain tiny values when none does), with every length at which
     attention changes what it computes inside the verification prompts."""
-    from . import length_regimes
+    from . import grouped_heads, length_regimes
 
     config_cls = causal_cls.config_class
-    base = tiny_values(config_cls, overrides, source_layer_kinds(causal_cls))
+    plain = tiny_values(config_cls, overrides, source_layer_kinds(causal_cls))
+    # kv heads below the heads, where a field holds them at the head count
+    grouped = {**plain, **grouped_heads.kv_head_values(causal_cls, plain)}
     first_error = None
-    for attempt, values in enumerate(variants(config_cls, base)):
-        if attempt >= 120:
-            break
-        values = {**values, **(overrides or {})}
-        try:
-            check_runs(causal_cls, values)
-        except Exception as exc:  # noqa: BLE001 - the source's own failure
-            first_error = first_error or exc
-            continue
-        return length_regimes.shrink(causal_cls, values, keep=set(overrides or {}))
+    for base in [grouped] if grouped == plain else [grouped, plain]:
+        for attempt, values in enumerate(variants(config_cls, base)):
+            if attempt >= 120:
+                break
+            values = {**values, **(overrides or {})}
+            try:
+                check_runs(causal_cls, values)
+            except Exception as exc:  # noqa: BLE001 - the source's own failure
+                first_error = first_error or exc
+                continue
+            return length_regimes.shrink(causal_cls, values, keep=set(overrides or {}))
     raise first_error
 
 

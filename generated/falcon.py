@@ -12,7 +12,7 @@
 #   Unfused: decoder layer (FalconDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (FalconMLP): copied from the source
 #   Unfused: module (FalconLinear): copied from the source
-#   Unfused: attention (FalconAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5)
+#   Unfused: attention (FalconAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5); its keys and values are broadcast from 2 to 4 heads before it and cached as broadcast (2x the KV cache of the grouped layout)
 #   Unfused: tensor parallel (FalconMLP): replicated: self.dense_h_to_4h (FalconLinear), self.dense_4h_to_h (FalconLinear) the file keeps as the source builds it, not a vLLM linear it can shard
 #   Unfused: tensor parallel (FalconAttention): replicated: self.query_key_value (FalconLinear), self.dense (FalconLinear) the file keeps as the source builds it, not a vLLM linear it can shard
 #   Refused: rotary embedding (FalconAttention): the class computes attention itself (its core becomes vLLM's attention); vLLM's rope is not applied inside such a class
@@ -325,7 +325,9 @@ class FalconAttention(nn.Module):
             self.num_heads,
             self.head_dim,
             self.head_dim**-0.5,
-            num_kv_heads=self.num_kv_heads,
+            num_kv_heads=(
+                self.num_heads if self.new_decoder_architecture else self.num_kv_heads
+            ),
             cache_config=cache_config,
             quant_config=quant_config,
             per_layer_sliding_window=sliding_window,

@@ -69,6 +69,9 @@ class AttentionSpec:
     # attention within aligned chunks of this many tokens (Llama 4's local layers):
     # vLLM's ChunkedLocalAttention on the layers where it is not None
     chunk: str | None = None
+    # (kv heads the weights hold, kv heads the attention receives): keys and values
+    # broadcast to more heads before it, cached as broadcast
+    broadcast: tuple[int, int] | None = None
 
     def describe(self) -> str:
         extra = [
@@ -80,7 +83,15 @@ class AttentionSpec:
             *([f"alibi={self.alibi}"] if self.alibi else []),
         ]
         what = "its own attention core" if self.eager else "attention interface"
-        return f"{what} -> vLLM Attention ({', '.join(extra)})"
+        line = f"{what} -> vLLM Attention ({', '.join(extra)})"
+        if self.broadcast:
+            held, handed = self.broadcast
+            line += (
+                f"; its keys and values are broadcast from {held} to {handed} heads "
+                f"before it and cached as broadcast ({handed // held}x the KV cache "
+                "of the grouped layout)"
+            )
+        return line
 
 
 def _atom(expr: str) -> str:
@@ -185,7 +196,22 @@ def _int_candidates(info: ClassInfo, instance, config_param, preferred) -> list[
     ]
     if config_param:
         out += [f"{config_param}.{n}" for n in preferred]
-    return out
+    return out + _forward_counts(info, rank)
+
+
+def _forward_counts(info: ClassInfo, rank) -> list[str]:
+    """The call-free expressions the forward assigns to a count's name (Falcon's
+    `num_kv_heads = self.num_heads if self.new_decoder_architecture else
+    self.num_kv_heads`): the source's own word for what it hands its attention, on
+    every branch, where an attribute of that name says something else."""
+    if info.forward is None:
+        return []
+    found = []
+    for assign in m.findall(info.forward, m.Assign(targets=[m.AssignTarget(m.Name())])):
+        name = assign.targets[0].target.value
+        if rank(name)[0] < 2 and not m.findall(assign.value, m.Call()):
+            found.append((rank(name), code(assign.value)))
+    return [text for _, text in sorted(found, key=lambda f: f[0])]
 
 
 def window_of(mask, tokens: int) -> int | None | object:
@@ -340,6 +366,9 @@ def infer(
         calls[0].key.shape[1],
     )
     attr = "attn" if "attn" not in info.attrs else "vllm_attn"
+    broadcast = broadcast_from(
+        info, calls[0].module, envs[0], config_param, calls[0].key.shape[1]
+    )
     return AttentionSpec(
         class_name=info.name,
         heads=heads_expr,
@@ -355,6 +384,7 @@ def infer(
         head_attrs=q_attrs + kv_attrs,
         kv_head_attrs=kv_attrs,
         notes=notes,
+        broadcast=broadcast,
     )
 
 
@@ -413,11 +443,7 @@ def _sizes(info: ClassInfo, calls, envs, config_param):
     heads_expr = _expression_for(
         _int_candidates(info, inst, config_param, _HEAD_NAMES), heads, envs
     )
-    kv_expr = _expression_for(
-        _int_candidates(info, inst, config_param, _KV_NAMES), kv, envs
-    )
-    if kv_expr is None and heads == kv:
-        kv_expr = heads_expr
+    kv_expr = kv_heads_expression(info, inst, config_param, heads_expr, heads, kv, envs)
     size_expr = _expression_for(
         _int_candidates(info, inst, config_param, _SIZE_NAMES), size, envs
     )
@@ -616,6 +642,39 @@ def _window_argument(info, kw_exprs, windows, envs, tokens) -> str | None:
         if agrees:
             return text
     return None
+
+
+def kv_heads_expression(info, inst, config_param, heads_expr, heads, kv, envs):
+    """The source's expression for the kv heads its attention receives on every
+    layer; the head count where they are as many and nothing counts them apart,
+    unless the keys were broadcast to that many (the head count then holds on the
+    probed branch only: refuse)."""
+    found = _expression_for(
+        _int_candidates(info, inst, config_param, _KV_NAMES), kv, envs
+    )
+    if found is not None or heads != kv:
+        return found
+    broadcast = broadcast_from(info, inst, envs[0], config_param, kv[0])
+    if broadcast:
+        raise CodemodError(
+            f"cannot generate: {info.name} broadcasts its keys and values from "
+            f"{broadcast[0]} to {broadcast[1]} heads before its attention, and no "
+            f"expression of the source counts the {broadcast[1]} heads it hands over "
+            "(the query head count would hold on this config's branch only)"
+        )
+    return heads_expr
+
+
+def broadcast_from(info: ClassInfo, inst, env: dict, config_param, kv: int):
+    """(kv heads the weights hold, `kv`) where a kv-head attribute or config field
+    counts fewer heads than the attention receives (Falcon's new decoder architecture
+    broadcasts its grouped keys to every query head), else None."""
+    held = [
+        got
+        for text in _int_candidates(info, inst, config_param, _KV_NAMES)
+        if type(got := _evaluate(text, env)) is int and 0 < got < kv and kv % got == 0
+    ]
+    return (min(held), kv) if held else None
 
 
 def head_count_attrs(info, inst, heads_expr, kv_expr, heads: int, kv: int):

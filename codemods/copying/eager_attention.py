@@ -31,9 +31,9 @@ from .attention import (
     _expression_for,
     _int_candidates,
     _HEAD_NAMES,
-    _KV_NAMES,
     _SIZE_NAMES,
     _atom,
+    kv_heads_expression,
     reference,
 )
 
@@ -362,9 +362,7 @@ def infer(
     heads_expr = _expression_for(
         _int_candidates(info, inst, config_param, _HEAD_NAMES), heads, envs
     )
-    kv_expr = _expression_for(
-        _int_candidates(info, inst, config_param, _KV_NAMES), kv, envs
-    ) or (heads_expr if kv == heads else None)
+    kv_expr = kv_heads_expression(info, inst, config_param, heads_expr, heads, kv, envs)
     size_expr = _expression_for(
         _int_candidates(info, inst, config_param, _SIZE_NAMES) + derived, size, envs
     )
@@ -439,8 +437,9 @@ def infer(
     spec.out_dims = cases[0][6]
     spec.container = records[0].get("container")
     spec.arity = records[0].get("arity", 1)
-    from .attention import head_count_attrs
+    from .attention import broadcast_from, head_count_attrs
 
+    spec.broadcast = broadcast_from(info, inst, envs[0], config_param, kv[0])
     q_attrs, kv_attrs = head_count_attrs(
         info, inst, heads_expr, kv_expr, heads[0], kv[0]
     )
