@@ -202,6 +202,10 @@ def _verify_generated(
         "refused": int(header["refused"]),
         "unfused": int(header["unfused"]),
     }
+    if overrides:  # as the checkpoint's config holds them
+        result["overrides"] = {
+            k: getattr(configs[0].config, k, None) for k in sorted(overrides)
+        }
     if len(configs) > 1:
         progress.total += 4 * (len(configs) - 1)
     if layout != "saved":

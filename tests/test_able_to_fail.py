@@ -287,23 +287,24 @@ BUG_CLASSES.append(
 MUTATIONS += BUG_CLASSES
 
 
-def engine_sample() -> list[tuple[str, str, str, str]]:
-    """`make test`: every bug class and each other model's first copy (every model
-    is edited once and run unedited); the full sweep (scripts/engine_sweep.py): all."""
-    if FULL_SWEEP:
-        return MUTATIONS
-    chosen = list(BUG_CLASSES)
-    for mutation in MUTATIONS:
-        if mutation[0] not in {m[0] for m in chosen}:
-            chosen.append(mutation)
-    return chosen
-
-
 # copies whose checkpoint no longer fits the model they build: vLLM's loader refuses them
 # (the one way they can fail), by this message
 LOAD_FAILURES = {
     "every layer MoE (mlp_only_layers ignored)": "There is no module or parameter named",
 }
+
+
+def engine_sample() -> list[tuple[str, str, str, str]]:
+    """`make test`: every bug class, each other model's first copy (every model is
+    edited once and run unedited) and each load failure (the other way a copy fails);
+    the full sweep (scripts/engine_sweep.py): all."""
+    if FULL_SWEEP:
+        return MUTATIONS
+    chosen = list(BUG_CLASSES)
+    for mutation in MUTATIONS:
+        if mutation[0] not in {m[0] for m in chosen} or mutation[1] in LOAD_FAILURES:
+            chosen.append(mutation)
+    return chosen
 
 
 def test_every_copy_edits_its_committed_file_once_and_compiles():

@@ -40,14 +40,23 @@ def copy_generated(tmp_path):
 MODELS = len([p for p in GENERATED.glob("*.py") if not p.name.startswith("_")])
 
 
-def test_main_is_current_and_the_second_run_is_cached(tmp_path):
+def test_main_is_current_and_the_second_run_is_cached(tmp_path, monkeypatch):
     first = run_cli("codemods.check", "-j", "2")  # cold: every file regenerated
     assert first.returncode == 0, first.stderr[-2000:]
     assert first.stderr.strip().splitlines()[-1] == f"All done! {MODELS} files current."
     assert "\r" not in first.stderr  # no progress line outside a terminal
-    second = run_cli("codemods.check")
-    assert second.returncode == 0
-    assert (tmp_path / "cache" / "vllm-fusion-codemods" / "check.json").exists()
+    cached = json.loads(
+        (tmp_path / "cache" / "vllm-fusion-codemods" / "check.json").read_text()
+    )
+    assert len(cached) == MODELS  # one entry per file the cold run found current
+    # the second run regenerates nothing: a regeneration would fail it here
+    from codemods import check
+
+    def regenerate(*args):
+        raise AssertionError(f"regenerated {args[0]} though the cache holds it")
+
+    monkeypatch.setattr(check, "regenerate", regenerate)
+    assert check.check(GENERATED, False, 1, False, False, True) == 0
 
 
 def test_a_hand_edit_fails_with_a_diff_and_fix_restores_it(tmp_path):

@@ -53,6 +53,8 @@ def test_a_window_the_source_ignores_is_not_applied():
     """
     rc, out = verify_json("llama", "--override", "sliding_window=8")
     assert rc == 0 and out["ok"], out
+    assert out["impl"] == "generated.llama:LlamaForCausalLM", out
+    assert out["overrides"] == {"sliding_window": 8}, out  # in the checkpoint's config
 
 
 def test_verify_a_published_config_with_overrides():

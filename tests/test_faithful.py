@@ -178,13 +178,16 @@ def test_linears_no_plan_shards_are_said_to_be_replicated():
         assert [u for u in plan.unfused if u.what == "tensor parallel"] == [], source
 
 
-def test_a_non_attention_mixer_is_out_of_scope_in_one_line():
-    result = run_cli(
-        "codemods.apply", "modeling_mamba.py", "--out", "/tmp/never-written"
-    )
+def test_a_non_attention_mixer_is_out_of_scope_in_one_line(tmp_path):
+    result = run_cli("codemods.apply", "modeling_mamba.py", "--out", str(tmp_path))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert lines[-1].startswith("error: ") and "Traceback" not in result.stderr
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(
+        "error: out of scope: no class of modeling_mamba.py calls transformers' "
+        "attention interface or computes attention itself"
+    ), lines[0]
+    assert not list(tmp_path.iterdir())
 
 
 def test_an_attention_that_computes_its_own_mask_is_refused(tmp_path):

@@ -25,13 +25,38 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-def test_every_checkpoint_tensor_is_loaded(loaded):
-    model, names, weights, _ = loaded
-    params = set(dict(model.named_parameters()))
-    # every merged parameter was filled, and nothing of the model was left unloaded
-    assert params <= names, sorted(params - names)
-    assert any(n.endswith("qkv_proj.weight") for n in names)
-    assert any(n.endswith("gate_up_proj.weight") for n in names)
+def test_every_checkpoint_tensor_is_loaded(vllm_engine_free, qwen3_checkpoint):
+    """Each tensor of the checkpoint sits, value for value, where vLLM's own qwen3.py
+    puts it: q/k/v stacked in that order in qkv_proj, gate/up in gate_up_proj, every
+    other tensor under its own name (written out here, not read from the file)."""
+    from generated.qwen3 import Qwen3ForCausalLM
+
+    ckpt, hf = qwen3_checkpoint
+    model, names, weights = build_loaded(
+        Qwen3ForCausalLM, vllm_engine_free, ckpt, process=False  # before any repack
+    )
+    params = dict(model.named_parameters())
+    assert set(params) <= names, sorted(set(params) - names)  # nothing left unloaded
+    c = hf.config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    inter = c.intermediate_size
+    rows = {
+        "q_proj": ("qkv_proj", 0, q),
+        "k_proj": ("qkv_proj", q, q + kv),
+        "v_proj": ("qkv_proj", q + kv, q + 2 * kv),
+        "gate_proj": ("gate_up_proj", 0, inter),
+        "up_proj": ("gate_up_proj", inter, 2 * inter),
+    }
+    assert len(weights) > len(params)  # the stacked ones arrive as several tensors
+    for name, tensor in weights.items():
+        target, part = name, slice(None)
+        for piece, (merged, start, stop) in rows.items():
+            if f".{piece}." in name:
+                target, part = name.replace(f".{piece}.", f".{merged}."), slice(
+                    start, stop
+                )
+        assert target in params, name
+        assert torch.equal(params[target].data[part], tensor), name
 
 
 @torch.no_grad()
@@ -42,22 +67,45 @@ def test_glu_mlp_matches(loaded):
         assert rel_err(ours.mlp(x), theirs.mlp(x[None])[0]) <= ATOL
 
 
+class _Capture(torch.nn.Module):
+    """Stands in for vLLM's Attention: keeps what the attention module hands it."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width, self.seen = width, None
+
+    def forward(self, q, k, v):
+        self.seen = (q, k, v)
+        return torch.zeros(q.shape[0], self.width)
+
+
 @torch.no_grad()
 def test_qkv_projection_and_head_norms_match(loaded):
+    """The generated attention's own forward (merged projection, per-head norms, rope)
+    hands its attention the q, k, v transformers' Qwen3Attention computes."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
     model, _, _, hf = loaded
-    x = torch.randn(5, hf.config.hidden_size)
+    tokens = 5
+    x = torch.randn(tokens, hf.config.hidden_size)
+    positions = torch.arange(tokens)
+    cos, sin = hf.model.rotary_emb(x[None], positions[None])
     for ours, theirs in zip(model.model.layers, hf.model.layers):
         a, b = ours.self_attn, theirs.self_attn
-        qkv, _ = a.qkv_proj(x)
-        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        assert rel_err(v, b.v_proj(x)) <= ATOL
         hd = b.head_dim
-        want_q = b.q_norm(b.q_proj(x).view(5, -1, hd)).reshape(5, -1)
-        want_k = b.k_norm(b.k_proj(x).view(5, -1, hd)).reshape(5, -1)
-        got_q = a.q_norm(q.view(-1, a.num_heads, hd)).view(q.shape)
-        got_k = a.k_norm(k.view(-1, a.num_kv_heads, hd)).view(k.shape)
-        assert rel_err(got_q, want_q) <= ATOL
-        assert rel_err(got_k, want_k) <= ATOL
+        real, capture = a.attn, _Capture(a.num_heads * hd)
+        a.attn = capture
+        try:
+            a(positions, x)
+        finally:
+            a.attn = real
+        q, k, v = capture.seen
+        want_q = b.q_norm(b.q_proj(x[None]).view(1, tokens, -1, hd)).transpose(1, 2)
+        want_k = b.k_norm(b.k_proj(x[None]).view(1, tokens, -1, hd)).transpose(1, 2)
+        want_q, want_k = apply_rotary_pos_emb(want_q, want_k, cos, sin)
+        assert rel_err(q, want_q.transpose(1, 2).reshape(tokens, -1)) <= ATOL
+        assert rel_err(k, want_k.transpose(1, 2).reshape(tokens, -1)) <= ATOL
+        assert rel_err(v, b.v_proj(x)) <= ATOL
 
 
 @torch.no_grad()

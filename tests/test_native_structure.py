@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import REPO, build_loaded
 
@@ -224,6 +225,24 @@ def test_an_untied_checkpoint_loads_every_tensor(
         ours_cls, engine_config(tmp_path, arch), tmp_path, process=False
     )
     assert not ours.config.tie_word_embeddings
-    head = dict(ours.named_parameters())
-    assert {n for n in loaded} >= {n for n in head if "lm_head" in n or "embed" in n}
-    assert len(weights) >= len(loaded) > 0
+    params = dict(ours.named_parameters())
+    # every parameter filled from the checkpoint, none left at its initial values
+    assert set(params) <= set(loaded), sorted(set(params) - set(loaded))
+    # a tensor under its own name holds the checkpoint's values (stacked ones are
+    # checked per model in test_fused_modules / test_tp_weights)
+    same = [n for n in params if n in weights and params[n].shape == weights[n].shape]
+    assert same
+    for name in same:
+        got, want = params[name].data, weights[name]
+        # transformers' Conv1D holds [in, out]: vLLM's linear reads it transposed
+        assert torch.equal(got, want) or (
+            want.dim() == 2 and torch.equal(got, want.T)
+        ), name
+    # the head holds the checkpoint's head, whatever it was published as, not the
+    # embedding it would be tied to
+    (head,) = [n for n in params if n.endswith("lm_head.weight")]
+    assert any(torch.equal(params[head].data, w) for w in weights.values()), head
+    embeddings = [
+        p for n, p in params.items() if n != head and p.shape == params[head].shape
+    ]
+    assert embeddings and not any(torch.equal(params[head].data, e) for e in embeddings)

@@ -47,19 +47,53 @@ def test_glu_shard_order_follows_the_activation(tmp_path):
     assert (".mlp.gate_proj.", ".mlp.up_gate_proj.", 1) in plan.stacked_params()
 
 
+# vLLM's own qwen3.py loads q/k/v and gate/up into these shards (its
+# stacked_params_mapping), written out here, not read from the code under test
+QWEN3_STACKED = {
+    (".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
+    (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
+    (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
+    (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
+    (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
+}
+
+
+def _class_table(text: str, name: str):
+    """The literal value of the dict `name` (a class attribute, or a keyword argument)
+    in the generated file."""
+    import ast
+
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        ):
+            return ast.literal_eval(node.value)
+        if isinstance(node, ast.keyword) and node.arg == name:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"no {name} in the generated file")
+
+
 def test_stacked_keys_are_scoped_to_their_module():
-    plan, _ = generate("modeling_qwen3.py")
-    for key, merged, _ in plan.stacked_params():
-        assert key.startswith((".self_attn.", ".mlp.")) and key.endswith(".")
-        assert merged.split(".")[1] == key.split(".")[1]
+    plan, text = generate("modeling_qwen3.py")
+    assert set(plan.stacked_params()) == QWEN3_STACKED
+    # the file's loader table says the same, entry for entry
+    table = _class_table(text, "orig_to_new_stacked")
+    assert {(k, *v) for k, v in table.items()} == QWEN3_STACKED
 
 
 def test_tables_come_from_the_fusion_records():
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
     plan, text = generate("modeling_qwen3.py")
+    # one record per fused part: three norms, two head norms, two merges, two folds
+    assert len(plan.records) == 9
+    header = text.split('"""', 1)[0]
     for record in plan.records:
-        assert record.describe() in text  # the header's report
-    for merged, sources in plan.packed_modules_mapping().items():
-        assert f"{merged!r}: {sources!r}".replace("'", '"') in text
+        assert f"#   {record.describe()}\n" in header
+    mapping = _class_table(text, "packed_modules_mapping")
+    assert mapping == plan.packed_modules_mapping()
+    # what vLLM's own Qwen3 declares (quantization and LoRA read it)
+    assert mapping == Qwen3ForCausalLM.packed_modules_mapping
 
 
 def test_a_file_outside_transformers_needs_trust_remote_code(tmp_path):

@@ -249,9 +249,25 @@ def test_dbrx_experts_computing_something_else_are_refused(tmp_path):
 def test_a_top_k_the_router_reads_off_self_config_is_found():
     """Gemma 4's router takes `k=self.config.top_k_experts` (the module keeps the config
     it is built from): the experts' top-k is that field, and they run as FusedMoE."""
-    plan, _ = generate("modeling_gemma4.py")
+    import ast
+
+    from transformers import Gemma4TextConfig
+
+    plan, text = generate("modeling_gemma4.py")
     assert any(
         line.startswith("Fused: gate_up_proj + down_proj (Gemma4TextExperts)")
         and "FusedMoE" in line
         for line in plan.report()
     )
+    # the fused experts' top_k, evaluated on a config whose top-k differs from every
+    # other count, is the router's field
+    (top_k,) = [
+        kw.value
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) in ("FusedMoE", "FusedMoEFactory")
+        for kw in node.keywords
+        if kw.arg == "top_k"
+    ]
+    config = Gemma4TextConfig(enable_moe_block=True, num_experts=8, top_k_experts=3)
+    assert eval(ast.unparse(top_k), {"config": config}) == 3  # noqa: S307

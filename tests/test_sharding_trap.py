@@ -48,8 +48,13 @@ def test_contiguous_split_is_caught_at_tp2(tmp_path):
     trap = tmp_path / "qwen3.py"
     trap.write_text(text.replace(ORIGINAL, CONTIGUOUS))
     rc, out = _verify(trap)
-    assert rc == 0 and out["ok"], out  # a contiguous split is right on one rank
+    # a contiguous split is right on one rank: the trap's own copy ran, and matched
+    assert rc == 0 and out["ok"], out
+    assert out["impl"].startswith("_verify_qwen3_") and out["tp"] == 1, out
+    assert out["tokens_equal"] and out["max_abs_logprob_diff"] <= 1e-4, out
 
     rc, out = _verify(trap, "--tp", "2")  # the shapes fit: nothing raises
     assert rc == 1 and not out["ok"], out
-    assert out["impl"].startswith("_verify_qwen3_")
+    assert out["impl"].startswith("_verify_qwen3_") and out["tp"] == 2, out
+    # wrong numbers, not a crash: verify ran both and compared them
+    assert out["max_abs_logprob_diff"] > 1e-4, out

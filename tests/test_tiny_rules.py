@@ -16,11 +16,20 @@ def _causal(name: str):
     return roles.causal_class(loading.load_module(src), src.classes, src)
 
 
+FULL_SLIDING = [
+    "full_attention",
+    "sliding_attention",
+    "sliding_attention",
+    "full_attention",
+]
+
+
 @pytest.mark.parametrize(
     "kinds, types",
     [
-        (None, list(tiny.LAYER_PATTERN)),
-        (["sliding_attention", "full_attention"], list(tiny.LAYER_PATTERN)),
+        # full and sliding mixed, full on both ends (written out: not the constant)
+        (None, FULL_SLIDING),
+        (["sliding_attention", "full_attention"], FULL_SLIDING),
         (
             ["conv", "full_attention"],
             ["conv", "full_attention", "full_attention", "conv"],
