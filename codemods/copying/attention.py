@@ -646,23 +646,14 @@ def _window_argument(info, kw_exprs, windows, envs, tokens) -> str | None:
 
 def kv_heads_expression(info, inst, config_param, heads_expr, heads, kv, envs):
     """The source's expression for the kv heads its attention receives on every
-    layer; the head count where they are as many and nothing counts them apart,
-    unless the keys were broadcast to that many (the head count then holds on the
-    probed branch only: refuse)."""
+    layer, or the head count where they are as many and nothing counts them apart
+    (JetMoE's keys tiled to every head: the report says what that costs)."""
     found = _expression_for(
         _int_candidates(info, inst, config_param, _KV_NAMES), kv, envs
     )
-    if found is not None or heads != kv:
-        return found
-    broadcast = broadcast_from(info, inst, envs[0], config_param, kv[0])
-    if broadcast:
-        raise CodemodError(
-            f"cannot generate: {info.name} broadcasts its keys and values from "
-            f"{broadcast[0]} to {broadcast[1]} heads before its attention, and no "
-            f"expression of the source counts the {broadcast[1]} heads it hands over "
-            "(the query head count would hold on this config's branch only)"
-        )
-    return heads_expr
+    if found is None and heads == kv:
+        return heads_expr
+    return found
 
 
 def broadcast_from(info: ClassInfo, inst, env: dict, config_param, kv: int):
