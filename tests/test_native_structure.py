@@ -34,6 +34,16 @@ KNOWN_DIFFERENCES = {
         ("self_attn.qkv_proj.bias", "self_attn.o_proj.bias"),
         "transformers' Cohere honours attention_bias; vLLM's commandr.py builds q/k/v/o without bias",
     ),
+    "ernie4_5": (
+        ("_proj.bias",),
+        "transformers' Ernie 4.5 honours use_bias on every projection; vLLM's "
+        "ernie45.py builds them without bias",
+    ),
+    "glm4_moe_lite": (
+        ("self_attn.fused_qkv_a_proj.bias", "self_attn.o_proj.bias"),
+        "as deepseek_v3: transformers' GLM-4.7-Flash honours attention_bias on "
+        "q_a/kv_a/o; vLLM's glm4_moe_lite.py builds them without bias",
+    ),
     "deepseek_v3": (
         ("self_attn.fused_qkv_a_proj.bias", "self_attn.o_proj.bias"),
         "transformers' DeepSeek-V3 honours attention_bias on q_a/kv_a/o; vLLM's deepseek_v2.py builds them without bias",
@@ -46,9 +56,24 @@ NATIVE_RENAMES = {"mixtral": {".block_sparse_moe.": ".mlp."}}
 # arch -> config fields vLLM's native file needs that transformers' config class no
 # longer writes (published DeepSeek-V3 configs carry topk_method; without it vLLM's
 # deepseek_v2.py builds no score correction bias and cannot load the checkpoint)
-NATIVE_CONFIG = {"deepseek_v3": {"topk_method": "noaux_tc"}}
+NATIVE_CONFIG = {
+    "deepseek_v3": {"topk_method": "noaux_tc"},
+    # published GLM-4.5 configs carry head_dim (the tiny one: 320 / 4 heads), and
+    # GLM-4.7-Flash's its dense-layer count (the tiny one: layer 0 dense)
+    "glm4_moe": {"head_dim": 80},
+    "glm4_moe_lite": {"first_k_dense_replace": 1},
+}
 # arch -> (parameters only the native class has, why)
 NATIVE_ONLY = {
+    "glm4_moe": (
+        ("lm_head.weight",),
+        "vLLM's glm4_moe.py ignores tie_word_embeddings: its own head, which a tied "
+        "checkpoint leaves unloaded",
+    ),
+    "glm4_moe_lite": (
+        ("lm_head.weight",),
+        "vLLM's glm4_moe_lite.py ignores tie_word_embeddings, as glm4_moe.py does",
+    ),
     "deepseek_v3": (
         ("lm_head.weight",),
         "vLLM's deepseek_v2.py ignores tie_word_embeddings: its own head, which a tied "
@@ -82,9 +107,9 @@ MIRRORS = [
 # backend: no native class to compare with, so not collected;
 # `test_the_files_without_a_native_class_are_these` fails when the list changes.
 NO_NATIVE_CLASS = {
-    "arcee", "aria", "biogpt", "codegen", "cohere_compass", "ctrl", "cwm", "dots1",
-    "emu3", "flex_olmo", "glm", "gpt_bigcode", "gpt_neo", "gpt_neox",
-    "gpt_neox_japanese", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "jais2",
+    "arcee", "aria", "biogpt", "bitnet", "codegen", "cohere_compass", "ctrl", "cwm", "dots1",
+    "emu3", "flex_olmo", "gemma4_unified", "glm", "gpt_bigcode", "gpt_neo", "gpt_neox",
+    "gpt_neox_japanese", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "jais2", "jetmoe",
     "mellum", "ministral", "mistral4", "modernbert_decoder", "mpt", "nanochat", "olmo",
     "olmo2", "olmo3", "openai", "persimmon", "phi", "phimoe", "seed_oss", "smollm3",
     "solar_open", "starcoder2", "vaultgemma", "xglm", "youtu",
