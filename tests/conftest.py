@@ -129,6 +129,18 @@ def verify_in_one_process(
 LOST_GROUP = "pipeline model parallel group is not initialized"
 
 
+def coverage_script():
+    """scripts/coverage.py, loaded as a module (it is a script, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "coverage", REPO / "scripts" / "coverage.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def edited_modeling_file(tmp_path: Path, name: str, old: str, new: str) -> Path:
     """A copy of an installed transformers modeling file with `old` (once) -> `new`."""
     from codemods.source import resolve

@@ -5,15 +5,14 @@ this finds)."""
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, coverage_script
 
+from codemods.check import sha as sha256
 from codemods.source import resolve
 
 MANIFEST = json.loads((REPO / "generated" / "manifest.json").read_text())
@@ -37,20 +36,6 @@ def report_lines(text: str) -> dict[str, list[str]]:
             ("refusals", "Refused: "),
         )
     }
-
-
-def _coverage():
-    """scripts/coverage.py, loaded as a module."""
-    spec = importlib.util.spec_from_file_location(
-        "coverage", REPO / "scripts" / "coverage.py"
-    )
-    coverage = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(coverage)
-    return coverage
-
-
-def sha256(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def stale(model: str, text: str) -> list[str]:
@@ -105,7 +90,7 @@ def test_a_hand_edit_or_a_lost_fusion_is_caught():
 
 
 def test_the_fingerprint_names_what_changed():
-    coverage = _coverage()
+    coverage = coverage_script()
     then = {
         "source_sha256": "a",
         "output_sha256": "b",
@@ -123,7 +108,7 @@ def test_the_fingerprint_names_what_changed():
 
 
 def test_the_readme_table_is_the_coverage_rows_of_every_committed_file():
-    coverage = _coverage()
+    coverage = coverage_script()
     readme = (REPO / "README.md").read_text()
     block = readme.split(coverage.MODELS_START + "\n", 1)[1].split(coverage.MODELS_END)[
         0

@@ -3,15 +3,9 @@ on report lines in the forms the backend and the generated files write them."""
 
 from __future__ import annotations
 
-import importlib.util
+from conftest import coverage_script
 
-from conftest import REPO
-
-_spec = importlib.util.spec_from_file_location(
-    "coverage", REPO / "scripts" / "coverage.py"
-)
-coverage = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(coverage)
+coverage = coverage_script()
 
 BACKEND = [
     "Fused: q_proj + k_proj + v_proj (self_attn: OlmoAttention) -> qkv_proj (QKVParallelLinear)",

@@ -78,7 +78,7 @@ NATIVE_ONLY = {
         ("lm_head.weight",),
         "vLLM's deepseek_v2.py ignores tie_word_embeddings: its own head, which a tied "
         "checkpoint leaves unloaded",
-    )
+    ),
 }
 
 TRANSFORMERS_BACKEND = "vllm.model_executor.models.transformers"

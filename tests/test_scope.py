@@ -134,5 +134,10 @@ def test_a_convolution_inside_attention_is_a_state_cache_not_a_selection(tmp_pat
 def test_a_two_line_error_is_reported_on_one_line():
     from codemods.probe import one_line
 
-    exc = ValueError("Class validation error for 'validate_architecture':\n    top-1 only\n")
-    assert one_line(exc) == "Class validation error for 'validate_architecture': top-1 only"
+    exc = ValueError(
+        "Class validation error for 'validate_architecture':\n    top-1 only\n"
+    )
+    assert (
+        one_line(exc)
+        == "Class validation error for 'validate_architecture': top-1 only"
+    )
