@@ -260,6 +260,9 @@ class Pattern:
     # its `call_site` rewrites how copied callers call a class it rewrites (a claim of
     # kind CLASS is always called the pattern's way)
     rewrites_calls = False
+    # why the linears a CLASS claim builds whole on every rank are as vLLM's own file
+    # holds them (empty: such a linear is reported as a slow path under TP)
+    whole_on_ranks = ""
 
     def claim(self, model) -> Iterable[Claim | Refusal]:
         raise NotImplementedError

@@ -23,6 +23,7 @@
 #   Fused: residual add + post_attention_layernorm (AXK1DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (AXK1MoE): copied from the source (the block also builds self.shared_experts, not a dense MLP added to the output)
 #   Unfused: module (AXK1TopkRouter): copied from the source
+#   Kept: tensor parallel (AXK1Attention): fused_qkv_a_proj whole on every rank: the latent's down-projections, as vLLM's own deepseek_v2.py holds them (each rank's heads read the whole latent and its rope key)
 #   Refused: router + experts (AXK1MoE): the block also builds self.shared_experts, not a dense MLP added to the output
 # ======================================================================================
 """Native vLLM implementation of AXK1ForCausalLM, generated from transformers/models/axk1/modeling_axk1.py."""

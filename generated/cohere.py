@@ -26,7 +26,11 @@ from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.distributed import (
+    get_pp_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (
@@ -56,6 +60,25 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
+
+
+def shard_head_rows(owner: nn.Module, attr: str, *names: str) -> None:
+    """`owner.<attr>`'s parameters `names` hold one row per head: this rank keeps the rows
+    of the heads its q/k/v projections hand it (a kv head replicated over ranks when
+    there are fewer kv heads than ranks), and loads the checkpoint's rows for them."""
+    module = getattr(owner, attr, None)
+    if module is None:  # built only under a config flag that is off
+        return
+    tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    for name in names:
+        whole = getattr(module, name)
+        total = whole.shape[0]
+        start, rows = rank * total // tp, max(1, total // tp)
+        param = nn.Parameter(
+            whole.data[start : start + rows].clone(), requires_grad=False
+        )
+        param.weight_loader = lambda p, w, s=start, n=rows: p.data.copy_(w[s : s + n])
+        setattr(module, name, param)
 
 
 class CohereLayerNorm(nn.Module):
@@ -194,6 +217,9 @@ class CohereAttention(nn.Module):
             per_layer_sliding_window=sliding_window,
             prefix=f"{prefix}.attn",
         )
+        # tensor parallel: q_norm, k_norm: a row per head, this rank's heads' rows
+        shard_head_rows(self, "q_norm", "weight")
+        shard_head_rows(self, "k_norm", "weight")
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor

@@ -20,6 +20,7 @@
 #   Fused: kv_a_proj_with_mqa + kv_a_layernorm + kv_b_proj + rope + attention (DeepseekV3Attention) -> mla_attn (MultiHeadLatentAttentionWrapper, latent KV cache)
 #   Fused: residual add + input_layernorm (DeepseekV3DecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (DeepseekV3DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
+#   Kept: tensor parallel (DeepseekV3Attention): fused_qkv_a_proj, kv_a_proj_with_mqa whole on every rank: the latent's down-projections, as vLLM's own deepseek_v2.py holds them (each rank's heads read the whole latent and its rope key)
 # ======================================================================================
 """Native vLLM implementation of DeepseekV3ForCausalLM, generated from transformers/models/deepseek_v3/modeling_deepseek_v3.py."""
 

@@ -20,6 +20,7 @@
 #   Fused: kv_a_proj_with_mqa + kv_a_layernorm + kv_b_proj + rope + attention (Glm4MoeLiteAttention) -> mla_attn (MultiHeadLatentAttentionWrapper, latent KV cache)
 #   Fused: residual add + input_layernorm (Glm4MoeLiteDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (Glm4MoeLiteDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
+#   Kept: tensor parallel (Glm4MoeLiteAttention): fused_qkv_a_proj, kv_a_proj_with_mqa whole on every rank: the latent's down-projections, as vLLM's own deepseek_v2.py holds them (each rank's heads read the whole latent and its rope key)
 # ======================================================================================
 """Native vLLM implementation of Glm4MoeLiteForCausalLM, generated from transformers/models/glm4_moe_lite/modeling_glm4_moe_lite.py."""
 

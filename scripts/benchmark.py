@@ -1,8 +1,10 @@
 """Benchmark every generated model in real vLLM against vLLM's native class and the
 Transformers backend, and time the toolkit itself.
 
-    python scripts/benchmark.py                      # every generated model, 3 repeats
-    python scripts/benchmark.py --models qwen3,llama --repeats 5
+    python scripts/benchmark.py                      # the default set, 3 repeats
+    python scripts/benchmark.py --models qwen3,llama --repeats 5   # replaces their rows
+    python scripts/benchmark.py --models all         # every generated model (hours)
+    python scripts/benchmark.py --resume             # finish an interrupted run
     python scripts/benchmark.py --quick              # tiny sizes, 1 repeat: a smoke test
     python scripts/benchmark.py --update-readme      # also rewrite README's benchmark section
     python scripts/benchmark.py --render-only        # tables, plot, README from results.json
@@ -16,6 +18,10 @@ every run asserts which class actually ran. Measured: throughput (many requests 
 time to first token and inter-token latency (one request at a time), `LLM(...)` start-up
 with model construction and weight loading; then the toolkit's own speed (`codemods.apply`,
 `codemods.check` cold and warm). Writes results.json, results.md and ratios.png to --out.
+
+results.json is merged per model: a run replaces the rows of the models it ran and keeps
+the others as they were measured (each with its date and the sha256 of the file it ran),
+and is saved after every model, so `--resume` goes on where an interrupted run stopped.
 """
 
 from __future__ import annotations
@@ -47,6 +53,29 @@ IMPL_LABELS = {
     "transformers": "Transformers backend",
 }
 TRANSFORMERS_BACKEND = "vllm.model_executor.models.transformers"
+# One model per family and layout, under 30 minutes on 2 cores at 3 repeats: native
+# layouts (dense, per-layer-type sliding windows, MoE) and faithful files of each kind of
+# copied part (learned positions, ALiBi, parallel blocks, shared experts, routed experts
+# behind the source's router, flattened experts, latent attention, sinks).
+DEFAULT_MODELS = (
+    "qwen3",
+    "llama",
+    "gemma3",
+    "qwen3_moe",
+    "gpt2",
+    "bloom",
+    "falcon",
+    "opt",
+    "phi",
+    "granitemoeshared",
+    "phimoe",
+    "dbrx",
+    "deepseek_v2",
+    "gpt_oss",
+)
+# settings a row measured under others cannot be compared with: a run on other ones
+# starts the results afresh
+COMPARABLE = ("preset", "dtype", "eager", "sizes", "throughput", "latency")
 README_START, README_END = "<!-- benchmark:start -->", "<!-- benchmark:end -->"
 
 # MoE models: 8 experts, top-2, one dense layer first (fields a class lacks are skipped)
@@ -225,19 +254,32 @@ def read_generated_headers() -> dict[str, dict]:
     for arch, target in generated.architectures().items():
         module, cls = target.split(":")
         key = module.split(".")[-1]
-        head = (Path(generated.__file__).parent / f"{key}.py").read_text()[:8192]
+        text = (Path(generated.__file__).parent / f"{key}.py").read_text()
+        head = text[:8192]
         source = re.search(r"^# source:\s+(.+)$", head, re.MULTILINE)
         models[key] = {
             "generated_arch": arch,
             "generated_class": target,
             "hf_arch": cls,
             "source": source.group(1).strip() if source else None,
+            "file_sha256": file_sha(text),
             # what the file's header says vLLM must run it with (VLLM_MLA_DISABLE=1)
             "environment": dict(
                 re.findall(r"^# environment:\s+(\w+)=(\S+)", head, re.MULTILINE)
             ),
         }
     return dict(sorted(models.items()))
+
+
+def file_sha(text: str) -> str:
+    from codemods.check import sha
+
+    return sha(text)
+
+
+def current_sha(key: str) -> str | None:
+    path = REPO / "generated" / f"{key}.py"
+    return file_sha(path.read_text()) if path.exists() else None
 
 
 def causal_class(source: str, hf_arch: str):
@@ -721,12 +763,49 @@ def fmt_ratio(r: dict | None) -> str:
 def machine_line(results: dict) -> str:
     m, s = results["machine"], results["settings"]
     device = m["gpu"] or m["cpu"]
+    models = results["models"].values()
+    dates = sorted(
+        {x.get("date", results["date"]) for x in models} or {results["date"]}
+    )
+    repeats = sorted({x.get("repeats", s["repeats"]) for x in models} or {s["repeats"]})
     return (
         f"{device}, {m['cpus_usable']} cores, {m['device']}, {s['dtype']}, "
         f"{'eager' if s['eager'] else 'compiled'}; torch {m['torch']}, vllm {m['vllm']}, "
-        f"transformers {m['transformers']}; {s['repeats']} repeat(s), "
-        f"{results['date']}"
+        f"transformers {m['transformers']}; {'/'.join(map(str, repeats))} repeat(s), "
+        + (dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}")
     )
+
+
+def model_cell(key: str, model: dict) -> str:
+    """The model's name, and when the committed file is not the one the row ran."""
+    recorded, when = model.get("file_sha256"), model.get("date")
+    if recorded and recorded == current_sha(key):
+        return key
+    if recorded:
+        return f"{key} (ran {when} on an earlier file)"
+    return f"{key} (ran {when}, its file not recorded)" if when else key
+
+
+def not_compared(results: dict, key: str, other: str) -> str:
+    """Why a model's row has no ratios against `other`: vLLM has no such class, the run
+    failed (its first error), or the model was not run."""
+    model = results["models"][key]
+    if "error" in model:
+        return f"not run: {model['error'].splitlines()[0][:160]}"
+    if other == "native" and not model.get("native_class"):
+        return "no native class"
+    failed = [r for r in results["runs"] if r["model"] == key and "error" in r]
+    mine = [r for r in failed if r["impl"] == other]
+    if mine:
+        what = (
+            "vLLM's native class fails"
+            if other == "native"
+            else ("backend cannot serve it")
+        )
+        return f"{what}: {mine[0]['error'].splitlines()[0][:160]}"
+    if failed:
+        return f"generated run failed: {failed[0]['error'].splitlines()[0][:160]}"
+    return "not compared"
 
 
 def target(ratios: dict, other: str) -> str:
@@ -747,13 +826,15 @@ def target(ratios: dict, other: str) -> str:
 def ratio_table(results: dict, other: str) -> list[str]:
     head = "| model | " + " | ".join(LABELS[m] for m in README_METRICS) + " | target |"
     rows = [head, "| --- |" + " --- |" * (len(README_METRICS) + 1)]
-    for key, per in results["ratios"].items():
-        if f"vs_{other}" not in per:
-            continue
-        ratios = per[f"vs_{other}"]
-        cells = [fmt_ratio(ratios.get(m)) for m in README_METRICS]
-        cells.append(target(ratios, other))
-        rows.append(f"| {key} | " + " | ".join(cells) + " |")
+    for key in sorted(results["models"]):
+        ratios = results["ratios"].get(key, {}).get(f"vs_{other}")
+        if ratios:
+            cells = [fmt_ratio(ratios.get(m)) for m in README_METRICS]
+            cells.append(target(ratios, other))
+        else:
+            cells = ["-"] * len(README_METRICS) + [not_compared(results, key, other)]
+        cell = model_cell(key, results["models"][key])
+        rows.append(f"| {cell} | " + " | ".join(cells) + " |")
     return rows if len(rows) > 2 else []
 
 
@@ -1030,7 +1111,14 @@ def parse_args(argv: list[str] | None):
         description=" ".join(__doc__.split("\n\n")[0].split())
     )
     parser.add_argument(
-        "--models", help="comma-separated, e.g. qwen3,llama (default: all)"
+        "--models",
+        help="comma-separated, e.g. qwen3,llama; `all` for every generated model "
+        f"(default: {','.join(DEFAULT_MODELS)})",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="run the models an interrupted run left (results.json's in_progress)",
     )
     parser.add_argument(
         "--repeats", type=int, help="runs per implementation (default 3)"
@@ -1094,11 +1182,16 @@ def print_plan(models: dict, repeats: int) -> None:
     print(f"{runs} runs, {repeats} per implementation", flush=True)
 
 
-def benchmark_models(ctx, models: dict, settings: dict, args, workdir: Path) -> list:
-    """Per model: build its checkpoint, run every implementation on it, delete it."""
+def benchmark_models(
+    ctx, models: dict, settings: dict, args, workdir: Path, done
+) -> list:
+    """Per model: build its checkpoint, run every implementation on it, delete it;
+    `done(key, runs)` after each (the results saved so far)."""
     runs = []
     for key, model in models.items():
+        model.update(date=time.strftime("%Y-%m-%d"), repeats=settings["repeats"])
         if "error" in model:
+            done(key, [])
             continue
         job = {
             "model": model,
@@ -1111,20 +1204,72 @@ def benchmark_models(ctx, models: dict, settings: dict, args, workdir: Path) -> 
         if "error" in ckpt:
             model["error"] = f"checkpoint: {ckpt['error']}"
             print(f"{key}: SKIPPED: {model['error']}\n{ckpt.get('log', '')}")
+            done(key, [])
             continue
         model["checkpoint"] = ckpt
-        runs += run_model(ctx, key, model, settings, args, workdir)
+        mine = run_model(ctx, key, model, settings, args, workdir)
         shutil.rmtree(ckpt["dir"], ignore_errors=True)  # GPU-size ones are GBs
+        runs += mine
+        done(key, mine)
     return runs
+
+
+def merged(old: dict | None, new: dict) -> dict:
+    """`new`'s models replace theirs in `old` (entries and runs) and the others stay as
+    they were measured; summary and ratios over all of them. Results on another machine
+    or under other settings are not comparable: `new` alone."""
+    if not old or any(
+        old["settings"].get(k) != new["settings"].get(k) for k in COMPARABLE
+    ):
+        return new
+    if any(old["machine"].get(k) != new["machine"].get(k) for k in ("cpu", "device")):
+        return new
+    ran = set(new["models"])
+    models = {
+        **{
+            k: {"date": old["date"], **m}
+            for k, m in old["models"].items()
+            if k not in ran
+        },
+        **new["models"],
+    }
+    models = dict(sorted(models.items()))
+    runs = [r for r in old["runs"] if r["model"] not in ran] + new["runs"]
+    summary, ratios = summarize(runs, models)
+    return {
+        **new,
+        "models": models,
+        "runs": runs,
+        "summary": summary,
+        "ratios": ratios,
+        "toolkit": new.get("toolkit") or old.get("toolkit"),
+    }
+
+
+def load_results(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "results.json"
     if args.render_only:
-        results = json.loads((args.out / "results.json").read_text())
+        results = json.loads(path.read_text())
         render(results, args.out, args.update_readme)
         return 0
+    if args.resume:
+        pending = (load_results(path) or {}).get("in_progress")
+        if not pending:
+            print(f"error: {path} has no interrupted run to resume", file=sys.stderr)
+            return 2
+        args.models = ",".join(pending["models"])
+        args.repeats, args.quick = pending["repeats"], pending["quick"]
+        args.no_toolkit = args.no_toolkit or pending["toolkit_done"]
+        print(f"resuming: {args.models}", flush=True)
     began = time.perf_counter()
     set_env()
     if os.getloadavg()[0] > 0.5:
@@ -1137,7 +1282,10 @@ def main(argv: list[str] | None = None) -> int:
     ctx.set_forkserver_preload(["vllm.entrypoints.llm", "transformers"])
     with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
         workdir = Path(tmp)
-        wanted = args.models.split(",") if args.models else None
+        if args.models == "all":
+            wanted = None
+        else:
+            wanted = args.models.split(",") if args.models else list(DEFAULT_MODELS)
         print("finding the generated models ...", flush=True)
         prep = run_child(
             ctx, prepare_job, {"models": wanted}, workdir, "prepare", args.timeout
@@ -1152,21 +1300,42 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_toolkit:
             print("timing the toolkit (apply, check cold, check warm) ...", flush=True)
             toolkit = time_toolkit(workdir, warm_repeats=3)
-        runs = benchmark_models(ctx, models, settings, args, workdir)
+        finished: dict = {}
+        all_runs: list = []
 
-    summary, ratios = summarize(runs, models)
-    results = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": prep["machine"],
-        "settings": settings,
-        "models": models,
-        "runs": runs,
-        "summary": summary,
-        "ratios": ratios,
-        "toolkit": toolkit,
-        "total_seconds": time.perf_counter() - began,
-    }
-    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        def done(key: str | None, runs: list) -> None:
+            """Merge what has run into results.json; what has not is `in_progress`."""
+            if key is not None:
+                finished[key] = models[key]
+                all_runs.extend(runs)
+            summary, ratios = summarize(all_runs, finished)
+            new = {
+                "date": time.strftime("%Y-%m-%d"),
+                "machine": prep["machine"],
+                "settings": settings,
+                "models": dict(finished),
+                "runs": list(all_runs),
+                "summary": summary,
+                "ratios": ratios,
+                "toolkit": toolkit,
+                "total_seconds": time.perf_counter() - began,
+            }
+            results = merged(load_results(path), new)
+            results.pop("in_progress", None)
+            left = [k for k in models if k not in finished]
+            if left:
+                results["in_progress"] = {
+                    "models": left,
+                    "repeats": settings["repeats"],
+                    "quick": settings["preset"] == "quick",
+                    "toolkit_done": True,
+                }
+            path.write_text(json.dumps(results, indent=1) + "\n")
+
+        done(None, [])  # the toolkit's figures and the plan, before the first model
+        runs = benchmark_models(ctx, models, settings, args, workdir, done)
+
+    results = json.loads(path.read_text())
     render(results, args.out, args.update_readme)
     print()
     print((args.out / "results.md").read_text())
@@ -1175,6 +1344,7 @@ def main(argv: list[str] | None = None) -> int:
         "results.md, ratios.png" + (", README.md" if args.update_readme else "")
     )
     failed = any("error" in r for r in [*runs, *models.values()])
+    print(f"{len(models)} model(s) run, {len(results['models'])} in {path}")
     return 1 if failed else 0
 
 

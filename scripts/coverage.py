@@ -160,6 +160,7 @@ def run_one(name: str, backend: bool, tp2: bool = True) -> dict:
         layout=plan.layout,
         fused=[r.describe() for r in plan.records],
         unfused=[u.describe() for u in plan.unfused if not u.kept],
+        kept=[u.describe() for u in plan.unfused if u.kept],
         refusals=[r.describe() for r in plan.refusals],
         apply_s=round(time.time() - start, 1),
     )
@@ -306,6 +307,10 @@ def tp2_cell(row: dict) -> str:
         u.split("(", 1)[1].split(")", 1)[0]
         for u in row.get("unfused", [])
         if u.startswith("Unfused: tensor parallel")
+    ] + [  # whole as vLLM's own file holds the same layers
+        u.split("(", 1)[1].split(")", 1)[0] + " (as vLLM's own)"
+        for u in row.get("kept", [])
+        if u.startswith("Kept: tensor parallel")
     ]
     return f"{share:.2f}: whole on every rank: " + (
         ", ".join(whole) or "(none reported)"

@@ -129,16 +129,20 @@ def verify_in_one_process(
 LOST_GROUP = "pipeline model parallel group is not initialized"
 
 
-def coverage_script():
-    """scripts/coverage.py, loaded as a module (it is a script, not a package)."""
+def script(name: str):
+    """scripts/<name>.py, loaded as a module (a script, not a package)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "coverage", REPO / "scripts" / "coverage.py"
+        f"script_{name}", REPO / "scripts" / f"{name}.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def coverage_script():
+    return script("coverage")
 
 
 def edited_modeling_file(tmp_path: Path, name: str, old: str, new: str) -> Path:

@@ -23,7 +23,7 @@ ROWS = {
 
 
 def report_lines(text: str) -> dict[str, list[str]]:
-    """The header's `Fused:` / `Unfused:` / `Refused:` lines, in order."""
+    """The header's `Fused:` / `Unfused:` / `Kept:` / `Refused:` lines, in order."""
     header = text.split('"""', 1)[0]
     lines = [
         ln[len("#   ") :].strip() for ln in header.splitlines() if ln.startswith("#   ")
@@ -33,6 +33,7 @@ def report_lines(text: str) -> dict[str, list[str]]:
         for key, prefix in (
             ("fused", "Fused: "),
             ("unfused", "Unfused: "),
+            ("kept", "Kept: "),
             ("refusals", "Refused: "),
         )
     }

@@ -68,6 +68,16 @@ def test_the_tp2_cell_names_what_stays_whole_above_the_bound():
     }
     assert coverage.tp2_cell(row) == "0.91: whole on every rank: FalconAttention"
     assert coverage.tp2_cell({"tp2": {"ok": True, "rank_share": 0.5}}) == "0.50"
+    latent = {
+        "tp2": {"ok": True, "rank_share": 0.69},
+        "kept": [
+            "Kept: tensor parallel (Glm4MoeLiteAttention): fused_qkv_a_proj whole on "
+            "every rank: the latent's down-projections, as vLLM's own deepseek_v2.py"
+        ],
+    }
+    assert coverage.tp2_cell(latent) == (
+        "0.69: whole on every rank: Glm4MoeLiteAttention (as vLLM's own)"
+    )
     assert coverage.tp2_cell({"tp2": {"ok": False, "error": "boom"}}) == "FAIL: boom"
 
 

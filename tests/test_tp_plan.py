@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import REPO
+
 from codemods.apply import generate
 from fusion_patterns import sharding
 
@@ -207,3 +209,40 @@ def test_torch_linears_left_in_the_file_are_said():
         "kept as the source builds it: whole on every rank, outside vLLM's quantization "
         "and LoRA"
     ) in plan.report()
+
+
+def test_linears_a_pattern_emits_whole_are_said():
+    """A class a pattern emits whole that holds linears whole on every rank says so:
+    kept with vLLM's own file's reason where the pattern gives one (latent attention's
+    down-projections), a slow path under TP where it gives none."""
+    from codemods.copying import _emitted_whole
+    from fusion_patterns.base import Pattern
+    from fusion_patterns.mla import LatentAttention
+
+    text = (
+        "class A(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        self.a = ReplicatedLinear(8, 8)\n"
+        "        self.b = MergedColumnParallelLinear(8, [4, 4], disable_tp=True)\n"
+        "        self.c = ColumnParallelLinear(8, 8, disable_tp=False)\n"
+        "        self.d = RowParallelLinear(8, 8)\n"
+    )
+    kept = _emitted_whole("A", text, LatentAttention())
+    assert kept.kept and kept.describe().startswith(
+        "Kept: tensor parallel (A): a, b whole on every rank: the latent's "
+        "down-projections, as vLLM's own deepseek_v2.py holds them"
+    )
+    slow = _emitted_whole("A", text, Pattern())
+    assert not slow.kept and slow.describe() == (
+        "Unfused: tensor parallel (A): replicated on every rank: a, b (as the pattern "
+        "emits them)"
+    )
+    sharded = (
+        "class B:\n    def __init__(self):\n        self.d = RowParallelLinear(8, 8)\n"
+    )
+    assert _emitted_whole("B", sharded, Pattern()) is None
+    committed = (REPO / "generated" / "deepseek_v3.py").read_text().split('"""')[0]
+    assert (
+        "#   Kept: tensor parallel (DeepseekV3Attention): fused_qkv_a_proj, "
+        in committed
+    )

@@ -12,6 +12,7 @@ from fusion_patterns.mla import vllm_assumes_mla
 
 from ..copying import Copied, Unfused
 from ..copying import eager_attention, vllm_attention
+from ..copying import head_rows
 from ..copying.classes import CONV1D_HELPER
 from ..copying.definitions import Definitions, closure, copied_text
 from ..plan import Plan
@@ -195,6 +196,8 @@ def _helpers(ctx, pieces: dict[str, str]) -> str:
             helper += text
     if any("conv1d_layout(" in text for text in pieces.values()):
         helper += CONV1D_HELPER
+    if any("shard_head_rows(" in text for text in pieces.values()):
+        helper += head_rows.HELPER
     return helper
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from fusion_patterns.base import CLASS, CONSTRUCTION, REWRITE, Claim
 from fusion_patterns import sharding
 
-from . import positions
+from . import head_rows, positions
 from .classes import CONV1D, LINEARS, Context, kept_linears, prefix_classes
 from .classes import rewrite_class
 from .definitions import Definitions
@@ -106,6 +106,8 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
         info = classes[n]
         if n in whole:
             pieces[n] = whole[n].pattern.emit_class(whole[n], info)
+            if line := _emitted_whole(n, pieces[n], whole[n].pattern):
+                unfused.append(line)
             continue
         rebase = "VocabParallelEmbedding" if n in rebased else None
         rewrites = tuple(_claims(model, n, REWRITE))
@@ -122,6 +124,9 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
             )
         if line is not None:
             unfused.append(line)
+    for n in roles.attention:
+        if n in pieces and (rows := head_rows.per_head_parameters(model, n)):
+            pieces[n] = head_rows.shard_in_init(pieces[n], n, rows)
     return Copied(
         pieces=pieces,
         context=ctx,
@@ -193,6 +198,44 @@ def _replicated(
                 )
             )
     return out
+
+
+def _emitted_whole(n: str, text: str, pattern) -> Unfused | None:
+    """A pattern's class that holds linears whole on every rank (`ReplicatedLinear`,
+    `disable_tp=True`) says so: kept where the pattern gives vLLM's own file's reason
+    for the same layout, unfused (a slow path under TP) where it gives none."""
+    import ast
+
+    attrs = []
+    for node in ast.walk(ast.parse(text)):
+        if not (
+            isinstance(node, ast.Assign)
+            and isinstance(call := node.value, ast.Call)
+            and isinstance(target := node.targets[0], ast.Attribute)
+        ):
+            continue
+        if ast.unparse(call.func) == "ReplicatedLinear" or any(
+            k.arg == "disable_tp"
+            and isinstance(k.value, ast.Constant)
+            and k.value.value is True
+            for k in call.keywords
+        ):
+            attrs.append(target.attr)
+    if not attrs:
+        return None
+    names = ", ".join(dict.fromkeys(attrs))
+    if pattern.whole_on_ranks:
+        return Unfused(
+            n,
+            "tensor parallel",
+            f"{names} whole on every rank: {pattern.whole_on_ranks}",
+            kept=True,
+        )
+    return Unfused(
+        n,
+        "tensor parallel",
+        f"replicated on every rank: {names} (as the pattern emits them)",
+    )
 
 
 def _stacked_parameters(model, cls: str) -> list[str]:

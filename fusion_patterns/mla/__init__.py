@@ -50,6 +50,10 @@ def vllm_assumes_mla(config) -> bool:
 
 class LatentAttention(Pattern):
     name = NAME
+    whole_on_ranks = (
+        "the latent's down-projections, as vLLM's own deepseek_v2.py holds them (each "
+        "rank's heads read the whole latent and its rope key)"
+    )
 
     def claim(self, model):
         norms = model.norm_specs()

@@ -1,0 +1,190 @@
+"""The source's Mamba-2 mixer, read as the arguments of vLLM's `MambaMixer2`.
+
+A candidate is a class whose `__init__` builds a depthwise `nn.Conv1d` over the
+sequence and the selective-scan parameters (`A_log`, `dt_bias`, `D`) and whose
+forward takes `-torch.exp(self.<A>.float())`. Each `MambaMixer2` argument is the
+expression the source's own `__init__` assigns to the size it names (`self.n_groups =
+config.mamba_n_groups` -> `n_groups=config.mamba_n_groups`); `hidden_size` is the
+in-projection's input, `use_bias` its bias, `rms_norm_eps` the gated norm's eps. The
+names are only hypotheses: the proof (`proof.py`) runs the source against vLLM's
+computation on the instance's own weights and refuses where one was read wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import libcst as cst
+import libcst.matchers as m
+
+from ..base import ClassInfo, PatternRefused, Refusal, code, linear_args
+
+NAME = "mamba2"
+VLLM_CLASS = "MambaMixer2"
+WHAT = "Mamba-2 mixer"
+
+# MambaMixer2 argument -> the source attribute that holds it (every Mamba-2 mixer in
+# transformers: Bamba, Falcon-H1, GraniteMoeHybrid, Mamba2, NemotronH, Zamba2)
+SIZES = {
+    "ssm_state_size": "ssm_state_size",
+    "conv_kernel_size": "conv_kernel_size",
+    "intermediate_size": "intermediate_size",
+    "use_conv_bias": "use_conv_bias",
+    "n_groups": "n_groups",
+    "num_heads": "num_heads",
+    "head_dim": "head_dim",
+    "activation": "activation",
+}
+PARAMETERS = ("A_log", "dt_bias", "D")
+_NEG_EXP = m.UnaryOperation(
+    operator=m.Minus(),
+    expression=m.Call(
+        func=m.Attribute(value=m.Name("torch"), attr=m.Name("exp")),
+        args=[
+            m.Arg(
+                m.Call(
+                    func=m.Attribute(
+                        value=m.Attribute(value=m.Name("self"), attr=m.Name("A_log")),
+                        attr=m.Name("float"),
+                    )
+                )
+            )
+        ],
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Mamba2Spec:
+    class_name: str
+    in_proj: str
+    conv: str
+    norm: str
+    out_proj: str
+    # MambaMixer2 argument -> the source's expression (over `config` and the class's
+    # own attributes, resolved to `config` where `__init__` assigns them from it)
+    args: dict[str, cst.BaseExpression]
+    chunk_size: cst.BaseExpression | None
+    time_step_limit: cst.BaseExpression | None
+
+
+def is_candidate(info: ClassInfo) -> bool:
+    if info.forward is None or info.init is None:
+        return False
+    convs = [a for a in info.attrs if info.constructed_class(a) in _CONV]
+    return bool(convs) and all(p in info.attrs for p in PARAMETERS)
+
+
+_CONV = ("nn.Conv1d", "torch.nn.Conv1d")
+
+
+def match(info: ClassInfo) -> Mamba2Spec | Refusal | None:
+    if not is_candidate(info):
+        return None
+    try:
+        return _read(info)
+    except PatternRefused as exc:
+        return Refusal(NAME, info.name, WHAT, str(exc))
+
+
+def _read(info: ClassInfo) -> Mamba2Spec:
+    if not m.findall(info.forward, _NEG_EXP):
+        raise PatternRefused("forward does not take A = -exp(self.A_log.float())")
+    convs = [a for a in info.attrs if info.constructed_class(a) in _CONV]
+    if len(convs) != 1:
+        raise PatternRefused(f"{len(convs)} nn.Conv1d, expected one")
+    called = _self_calls(info.forward)
+    linears = [a for a in called if info.constructed_class(a) in _LINEAR]
+    if len(linears) < 2:
+        raise PatternRefused("forward does not call an in- and an out-projection")
+    in_proj, out_proj = linears[0], linears[-1]
+    norms = [a for a in called if a not in (*linears, *convs)]
+    gated = [a for a in norms if _called_with_two(info.forward, a)]
+    if len(gated) != 1:
+        raise PatternRefused("no gated norm `self.<norm>(y, gate)` in forward")
+    missing = [a for a in SIZES.values() if a not in info.attrs]
+    if missing:
+        raise PatternRefused(
+            f"__init__ sets no {', '.join('self.' + a for a in missing)}"
+        )
+    resolve = _Resolver(info)
+    args = {k: resolve(info.attrs[a]) for k, a in SIZES.items()}
+    hidden, _, bias = linear_args(info.attrs[in_proj])
+    args["hidden_size"] = resolve(hidden)
+    args["use_bias"] = resolve(bias)
+    eps = _keyword(info.attrs[gated[0]], "eps")
+    if eps is None:
+        raise PatternRefused(f"self.{gated[0]} is built without an eps")
+    args["rms_norm_eps"] = resolve(eps)
+    return Mamba2Spec(
+        class_name=info.name,
+        in_proj=in_proj,
+        conv=convs[0],
+        norm=gated[0],
+        out_proj=out_proj,
+        args=args,
+        chunk_size=(
+            resolve(info.attrs["chunk_size"]) if "chunk_size" in info.attrs else None
+        ),
+        time_step_limit=(
+            resolve(info.attrs["time_step_limit"])
+            if "time_step_limit" in info.attrs
+            else None
+        ),
+    )
+
+
+_LINEAR = ("nn.Linear", "torch.nn.Linear")
+
+
+def _self_calls(node: cst.CSTNode) -> list[str]:
+    calls = m.findall(node, m.Call(func=m.Attribute(value=m.Name("self"))))
+    return list(dict.fromkeys(c.func.attr.value for c in calls))
+
+
+def _called_with_two(forward: cst.FunctionDef, attr: str) -> bool:
+    calls = m.findall(
+        forward, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(attr)))
+    )
+    return any(len(c.args) == 2 for c in calls)
+
+
+def _keyword(value: cst.BaseExpression, name: str) -> cst.BaseExpression | None:
+    for call in m.findall(value, m.Call()):
+        for arg in call.args:
+            if arg.keyword is not None and arg.keyword.value == name:
+                return arg.value
+    return None
+
+
+class _Resolver:
+    """`self.<attr>` inside an expression -> what `__init__` assigns to it, until only
+    `config` and constants are left (a refusal where something else is)."""
+
+    def __init__(self, info: ClassInfo):
+        self.info = info
+
+    def __call__(self, expr: cst.BaseExpression, depth: int = 0) -> cst.BaseExpression:
+        if depth > 5:
+            raise PatternRefused(f"{code(expr)} does not resolve to config fields")
+        info = self.info
+
+        class _Sub(cst.CSTTransformer):
+            def leave_Attribute(self, original, updated):
+                if m.matches(updated, m.Attribute(value=m.Name("self"))):
+                    attr = updated.attr.value
+                    if attr not in info.attrs:
+                        raise PatternRefused(f"self.{attr} is not set in __init__")
+                    value = info.attrs[attr]
+                    atom = (cst.Name, cst.Attribute, cst.Call, cst.Subscript)
+                    atom += (cst.Integer, cst.Float, cst.SimpleString)
+                    text = code(value)
+                    return cst.parse_expression(
+                        text if isinstance(value, atom) else f"({text})"
+                    )
+                return updated
+
+        out = expr.visit(_Sub())
+        if m.findall(out, m.Attribute(value=m.Name("self"))):
+            return self(out, depth + 1)
+        return cst.parse_expression(code(out))

@@ -1,0 +1,285 @@
+"""The Mamba-2 mixer's proof: the source module, over a prefill and then single decode
+steps with transformers' cache carrying its conv and SSM states, against the
+computation vLLM's `MambaMixer2` runs at one rank (vLLM's own causal-conv, chunked-scan
+and state-update ops, its gated norm over `n_groups` groups) on the same weights, with
+its state tensors carried the way its state cache carries them.
+
+The parameters the source initialises to constants (`D = 1`, `dt_bias = 1`, the norm's
+ones) are drawn at random first, so a dropped `D` skip, a per-head mix-up or a norm
+placed before the gate cannot hide behind them. The prompt is longer than the conv
+kernel and than one SSD chunk.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from ..base import PatternRefused, code
+from .match import Mamba2Spec
+
+STEPS = 8
+TOLERANCE = 1e-4  # the scan sums in a different order on each side
+
+
+def sizes(spec: Mamba2Spec, config) -> dict:
+    """The MambaMixer2 arguments evaluated on `config`."""
+    env = {"config": config}
+    try:
+        return {k: eval(code(v), env) for k, v in spec.args.items()}  # noqa: S307
+    except Exception as exc:  # noqa: BLE001 - an expression the config cannot give
+        raise PatternRefused(f"its sizes do not evaluate on the config: {exc}") from exc
+
+
+def prove(spec: Mamba2Spec, module, config, steps: int = STEPS) -> None:
+    import torch
+
+    from ..dataflow import require_close
+
+    args = sizes(spec, config)
+    env = {"config": config}
+    chunk = (
+        int(eval(code(spec.chunk_size), env)) if spec.chunk_size else 256
+    )  # noqa: S307
+    limit = (
+        tuple(eval(code(spec.time_step_limit), env))  # noqa: S307
+        if spec.time_step_limit is not None
+        else (0.0, float("inf"))
+    )
+    if limit != (0.0, float("inf")):
+        raise PatternRefused(
+            f"its time-step limit {limit} clamps dt, which vLLM's MambaMixer2 does not"
+        )
+    _check_shapes(spec, module, args)
+    module = _randomised(module, spec)
+    prompt = max(chunk + 3, args["conv_kernel_size"] + 2)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, prompt + steps, args["hidden_size"], generator=gen)
+    try:
+        _prove_norm(spec, module, args)
+        want = _source(module, config, x, prompt)
+        got = _vllm(module, spec, args, chunk, x[0], prompt)
+    except PatternRefused:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a side that cannot run: not proven
+        what = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        raise PatternRefused(f"the comparison could not run: {what}") from exc
+    require_close(got[:prompt], want[:prompt], "the mixer over the prompt", TOLERANCE)
+    for i in range(steps):
+        t = prompt + i
+        require_close(
+            got[t], want[t], f"decode step {i + 1} (states carried)", TOLERANCE
+        )
+
+
+def _check_shapes(spec: Mamba2Spec, module, args: dict) -> None:
+    heads, state = args["num_heads"], args["ssm_state_size"]
+    groups, inter = args["n_groups"], args["intermediate_size"]
+    conv_dim = inter + 2 * groups * state
+    in_proj = getattr(module, spec.in_proj)
+    expect = {
+        "A_log": (module.A_log.numel(), heads),
+        "the in-projection's width": (
+            in_proj.out_features,
+            inter + conv_dim + heads,
+        ),
+        "the conv's channels": (getattr(module, spec.conv).weight.shape[0], conv_dim),
+        "heads x head_dim": (heads * args["head_dim"], inter),
+    }
+    for what, (have, want) in expect.items():
+        if have != want:
+            raise PatternRefused(
+                f"{what} is {have}, the sizes it was read with give {want}"
+            )
+
+
+def _gated_norm(weight, y, gate, groups: int, eps: float):
+    """vLLM's `Mixer2RMSNormGated` at one rank: gate by silu, then an RMS norm within
+    each of `groups` equal groups of the width."""
+    import torch
+    import torch.nn.functional as F
+
+    y = y * F.silu(gate.float())
+    grouped = y.view(*y.shape[:-1], groups, y.shape[-1] // groups)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * grouped.view(y.shape)
+
+
+def _prove_norm(spec: Mamba2Spec, module, args: dict) -> None:
+    """The source's gated norm is vLLM's: the gate before the norm, over `n_groups`
+    groups (a norm over the whole width equals it only with one group)."""
+    import torch
+
+    from ..dataflow import rel_err
+
+    norm = getattr(module, spec.norm)
+    gen = torch.Generator().manual_seed(3)
+    y, gate = torch.randn(2, 4, args["intermediate_size"], generator=gen)
+    with torch.no_grad():
+        want = norm(y, gate)
+        got = _gated_norm(
+            norm.weight, y, gate, args["n_groups"], float(args["rms_norm_eps"])
+        )
+    if not rel_err(got, want) <= TOLERANCE:
+        raise PatternRefused(
+            f"its gated norm (self.{spec.norm}) is not vLLM's Mixer2RMSNormGated: "
+            f"vLLM gates by silu and then normalises within each of n_groups="
+            f"{args['n_groups']} groups (a norm over the whole width, or with the gate "
+            "applied after it, differs)"
+        )
+
+
+def _randomised(module, spec: Mamba2Spec):
+    import torch
+
+    module = copy.deepcopy(module).float().eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name in ("A_log", "dt_bias", "D"):
+            p = getattr(module, name)
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        norm = getattr(module, spec.norm)
+        for p in norm.parameters():
+            p.copy_(1 + torch.randn(p.shape, generator=gen) / 4)
+        conv = getattr(module, spec.conv)
+        for p in conv.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / 2)
+    return module
+
+
+def _source(module, config, x, prompt: int):
+    """[tokens, hidden]: the prompt in one call, then one call per token, the cache
+    carrying the states (the source's own decode path)."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        outs = [module(x[:, :prompt], cache_params=cache)]
+        for t in range(prompt, x.shape[1]):
+            outs.append(module(x[:, t : t + 1], cache_params=cache))
+    return torch.cat(outs, dim=1)[0]
+
+
+def _vllm(module, spec: Mamba2Spec, args: dict, chunk: int, x, prompt: int):
+    """[tokens, hidden]: what MambaMixer2.forward computes at one rank, its prefill
+    branch over the prompt and its decode branch per token, states in vLLM's layout."""
+    import torch
+    import torch.nn.functional as F
+
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import (
+        causal_conv1d_fn,
+        causal_conv1d_update,
+    )
+    from vllm.model_executor.layers.mamba.ops.ssd_combined import (
+        mamba_chunk_scan_combined_varlen,
+    )
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.mamba2_attn import compute_varlen_chunk_metadata
+
+    inter, heads, dim = args["intermediate_size"], args["num_heads"], args["head_dim"]
+    groups, state, kernel = (
+        args["n_groups"],
+        args["ssm_state_size"],
+        args["conv_kernel_size"],
+    )
+    conv_dim = inter + 2 * groups * state
+    in_proj, conv, out_proj = (
+        getattr(module, a) for a in (spec.in_proj, spec.conv, spec.out_proj)
+    )
+    norm_weight = getattr(module, spec.norm).weight
+    eps = float(args["rms_norm_eps"])
+    weights = conv.weight.view(conv.weight.size(0), conv.weight.size(2))
+    A = -torch.exp(module.A_log.float())
+    activation = args["activation"]
+    # two state blocks, the request in block 1: vLLM keeps block 0 as its null block,
+    # which its kernels skip
+    conv_state = torch.zeros(2, conv_dim, kernel - 1)
+    ssm_state = torch.zeros(2, heads, dim, state)
+    slot = torch.tensor([1], dtype=torch.int32)
+    # the state-update kernel vLLM's dispatcher picks on this platform
+    if current_platform.is_cpu():
+        from vllm.model_executor.layers.mamba.ops.cpu.mamba_ssm import (
+            selective_state_update,
+        )
+    else:
+        from vllm.model_executor.layers.mamba.ops.mamba_ssm import (
+            selective_state_update,
+        )
+
+    def gated_norm(y, gate):
+        return _gated_norm(norm_weight, y, gate, groups, eps)
+
+    def split(tokens):
+        projected = F.linear(tokens, in_proj.weight, in_proj.bias)
+        return projected.split([inter, conv_dim, heads], dim=-1)
+
+    outs = []
+    with torch.no_grad():
+        gate, xbc, dt = split(x[:prompt])
+        starts = torch.tensor([0, prompt], dtype=torch.int32)
+        xbc = causal_conv1d_fn(
+            xbc.transpose(0, 1),
+            weights,
+            conv.bias,
+            activation=activation,
+            conv_states=conv_state,
+            has_initial_state=torch.tensor([False]),
+            cache_indices=slot,
+            metadata=None,
+            query_start_loc=starts,
+        ).transpose(0, 1)[:prompt]
+        h, B, C = xbc.split([inter, groups * state, groups * state], dim=-1)
+        cu_chunks, last_chunks, seq_idx = compute_varlen_chunk_metadata(starts, chunk)
+        y = torch.empty(prompt, heads * dim)
+        final = mamba_chunk_scan_combined_varlen(
+            h.reshape(prompt, heads, dim),
+            dt,
+            A,
+            B.reshape(prompt, groups, state),
+            C.reshape(prompt, groups, state),
+            chunk_size=chunk,
+            D=module.D,
+            z=None,
+            dt_bias=module.dt_bias,
+            seq_idx=seq_idx,
+            cu_seqlens=starts,
+            cu_chunk_seqlens=cu_chunks,
+            last_chunk_indices=last_chunks,
+            initial_states=None,
+            dt_softplus=True,
+            dt_limit=(0.0, float("inf")),
+            out=y.view(prompt, heads, dim),
+            state_dtype=torch.float32,
+        )
+        ssm_state[slot] = final
+        outs.append(F.linear(gated_norm(y, gate), out_proj.weight, out_proj.bias))
+        for t in range(prompt, x.shape[0]):
+            gate, xbc, dt = split(x[t : t + 1])
+            xbc = causal_conv1d_update(
+                xbc,
+                conv_state,
+                weights,
+                conv.bias,
+                activation,
+                conv_state_indices=slot[:, None],
+                query_start_loc=None,
+            )
+            h, B, C = xbc.split([inter, groups * state, groups * state], dim=-1)
+            y = torch.empty(1, heads, dim)
+            selective_state_update(
+                ssm_state,
+                h.view(1, heads, dim),
+                dt[:, :, None].expand(-1, -1, dim),
+                A[:, None, None].expand(-1, dim, state),
+                B.view(1, groups, state),
+                C.view(1, groups, state),
+                D=module.D[:, None].expand(-1, dim),
+                dt_bias=module.dt_bias[:, None].expand(-1, dim),
+                dt_softplus=True,
+                state_batch_indices=slot,
+                dst_state_batch_indices=slot,
+                out=y,
+            )
+            y = y.view(1, heads * dim)
+            outs.append(F.linear(gated_norm(y, gate), out_proj.weight, out_proj.bias))
+    return torch.cat(outs, dim=0)

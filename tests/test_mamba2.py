@@ -1,0 +1,186 @@
+"""Mamba-2 mixers read as vLLM's MambaMixer2 and proven against its computation over a
+prefill and decode steps with the states carried (engine-free; issue 38, first slice:
+the pattern is not in the registry yet)."""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import os
+
+import pytest
+
+from conftest import edited_modeling_file
+
+from codemods.loading import load_module
+from codemods.source import load
+from fusion_patterns.base import PatternRefused, Refusal, code
+from fusion_patterns.mamba2 import Mamba2Spec, match, prove
+
+MIXERS = {
+    "bamba": "BambaMixer",
+    "falcon_h1": "FalconH1Mixer",
+    "granitemoehybrid": "GraniteMoeHybridMambaLayer",
+    "mamba2": "Mamba2Mixer",
+    "nemotron_h": "NemotronHMamba2Mixer",
+    "zamba2": "Zamba2MambaMixer",
+}
+SMALL = dict(hidden_size=64, num_hidden_layers=2, vocab_size=128)
+# (config class, the mixer's sizes under this config class's names)
+CONFIGS = {
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        dict(
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_d_state=16,
+            mamba_chunk_size=8,
+            mamba_expand=2,
+            layer_types=["mamba", "attention"],
+        ),
+        "mamba_n_groups",
+    ),
+    "mamba2": (
+        "Mamba2Config",
+        dict(num_heads=4, head_dim=32, state_size=16, chunk_size=8, expand=2),
+        "n_groups",
+    ),
+    "zamba2": (
+        "Zamba2Config",
+        dict(
+            n_mamba_heads=4,
+            mamba_headdim=32,
+            mamba_d_state=16,
+            chunk_size=8,
+            mamba_expand=2,
+            layers_block_type=["mamba", "mamba"],
+        ),
+        "mamba_ngroups",
+    ),
+}
+
+
+def _mixer(name: str, groups: int = 1, path=None, **extra):
+    source = load(str(path) if path else f"modeling_{name}.py")
+    module = load_module(source, trust_remote_code=path is not None)
+    cfg_name, sizes, group_field = CONFIGS[name]
+    config = getattr(module, cfg_name, None) or getattr(
+        importlib.import_module(f"transformers.models.{name}"), cfg_name
+    )
+    config = config(**SMALL, **sizes, **{group_field: groups}, **extra)
+    cls = MIXERS[name]
+    return source.classes[cls], getattr(module, cls)(config, layer_idx=0), config
+
+
+def test_the_six_mamba2_mixers_and_nothing_else_are_read_as_mambamixer2():
+    import transformers
+
+    models = os.path.join(os.path.dirname(transformers.__file__), "models")
+    found = {}
+    for path in sorted(glob.glob(os.path.join(models, "*", "modeling_*.py"))):
+        text = open(path).read()
+        if "Conv1d" not in text or "A_log" not in text:
+            continue  # a candidate builds both: no need to parse the file
+        try:
+            source = load(os.path.basename(path))
+        except Exception:  # noqa: BLE001 - a file the toolkit cannot read: no candidate
+            continue
+        for name, info in source.classes.items():
+            if (spec := match(info)) is not None:
+                found[name] = spec
+    assert sorted(found) == sorted(MIXERS.values())
+    assert all(isinstance(spec, Mamba2Spec) for spec in found.values())
+
+
+@pytest.mark.parametrize(
+    "name, heads, groups, eps",
+    [
+        (
+            "granitemoehybrid",
+            "config.mamba_n_heads",
+            "config.mamba_n_groups",
+            "config.rms_norm_eps",
+        ),
+        (
+            "nemotron_h",
+            "config.mamba_num_heads",
+            "config.n_groups",
+            "config.layer_norm_epsilon",
+        ),
+        ("zamba2", "config.n_mamba_heads", "config.mamba_ngroups", "1e-5"),
+    ],
+)
+def test_each_argument_is_the_sources_own_expression(name, heads, groups, eps):
+    spec = match(load(f"modeling_{name}.py").classes[MIXERS[name]])
+    assert code(spec.args["num_heads"]) == heads
+    assert code(spec.args["n_groups"]) == groups
+    assert code(spec.args["rms_norm_eps"]) == eps
+    assert code(spec.args["hidden_size"]) == "config.hidden_size"
+
+
+@pytest.mark.parametrize("name", ["granitemoehybrid", "mamba2"])
+def test_a_mixer_equals_vllms_over_prefill_and_decode_steps(name):
+    info, module, config = _mixer(name)
+    prove(match(info), module, config)  # raises PatternRefused where it differs
+
+
+def test_a_norm_over_the_whole_width_is_refused_with_more_than_one_group():
+    """Granite 4.0-H's gated norm is over the whole width; vLLM's over each group."""
+    info, module, config = _mixer("granitemoehybrid", groups=2)
+    with pytest.raises(PatternRefused, match="normalises within each of n_groups=2"):
+        prove(match(info), module, config)
+
+
+def test_a_grouped_norm_with_a_time_step_floor_is_refused_for_the_floor():
+    info, module, config = _mixer("zamba2", groups=2)
+    with pytest.raises(
+        PatternRefused, match=r"time-step limit \(0.001, inf\) clamps dt"
+    ):
+        prove(match(info), module, config)
+
+
+def test_zamba2_without_the_floor_is_proven_with_groups():
+    """Zamba 2 normalises per group, as vLLM does: with its floor at 0 it is proven
+    with two groups."""
+    info, module, config = _mixer("zamba2", groups=2, time_step_min=0.0)
+    prove(match(info), module, config)
+
+
+EDITS = {
+    "the D skip dropped": (
+        "                D=self.D,\n                z=None,\n                return_final_states=output_final_state,",
+        "                D=None,\n                z=None,\n                return_final_states=output_final_state,",
+        "the mixer over the prompt",
+    ),
+    "the gate applied after the norm": (
+        "            hidden_states = hidden_states * nn.functional.silu(gate.to(torch.float32))\n        variance",
+        "            pass\n        variance",
+        "gated norm",
+    ),
+    "the conv state not carried": (
+        "            hidden_states_B_C = causal_conv1d_update(\n                hidden_states_B_C,\n                conv_state,",
+        "            hidden_states_B_C = causal_conv1d_update(\n                hidden_states_B_C,\n                torch.zeros_like(conv_state),",
+        "decode step 1",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_an_edited_mixer_is_refused(tmp_path, edit):
+    old, new, reason = EDITS[edit]
+    path = edited_modeling_file(tmp_path, "modeling_granitemoehybrid.py", old, new)
+    info, module, config = _mixer("granitemoehybrid", path=path)
+    with pytest.raises(PatternRefused, match=reason):
+        prove(match(info), module, config)
+
+
+def test_a_log_used_without_the_minus_exp_is_not_matched(tmp_path):
+    path = edited_modeling_file(
+        tmp_path,
+        "modeling_granitemoehybrid.py",
+        "A = -torch.exp(self.A_log.float())",
+        "A = self.A_log.float()",
+    )
+    spec = match(load(str(path)).classes[MIXERS["granitemoehybrid"]])
+    assert isinstance(spec, Refusal)
+    assert "A = -exp(self.A_log.float())" in spec.reason
