@@ -208,6 +208,9 @@ def _check_ranks(tmp_path, path: Path, model: str, causal: str, sharded_expected
         # layer holding its MLP's linears)
         ("gpt2", "GPT2LMHeadModel"),
         ("opt", "OPTForCausalLM"),
+        # the out-projection built after the merged q/k/v block, which makes the head
+        # count this rank's: its input is still the whole width
+        ("nemotron", "NemotronForCausalLM"),
     ],
 )
 def test_each_rank_holds_its_slice(tmp_path, model, causal):

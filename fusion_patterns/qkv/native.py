@@ -82,7 +82,9 @@ class NativeAttention(Pattern):
                     rope = model.config.rope_parameters
                     if by_type:
                         rope = rope[model.config.layer_types[_layer_index(path)]]
-                    proof.prove(spec, inst, kwargs, model.config, rope, neox, set(norms))
+                    proof.prove(
+                        spec, inst, kwargs, model.config, rope, neox, set(norms)
+                    )
             except PatternRefused as why:
                 yield Refusal(NAME, n, WHAT, f"not vLLM's own layout: {why}")
                 continue
@@ -190,6 +192,29 @@ def _qkv_block(spec: QKVSpec) -> list[str]:
     ]
 
 
+# what the merged block sets to this rank's share -> the whole it keeps
+_WHOLE = {"num_heads": "total_num_heads", "num_kv_heads": "total_num_kv_heads"}
+
+
+def _whole_heads(expr: cst.BaseExpression) -> cst.BaseExpression:
+    """`expr` reading the whole head counts: vLLM's row-parallel linear takes the whole
+    input width, and after the merged block `self.num_heads` is this rank's (Nemotron's
+    `RowParallelLinear(self.head_dim * self.num_heads, ...)`, a quarter of its width at
+    TP=2, was a heap overrun)."""
+
+    class _Whole(cst.CSTTransformer):
+        def leave_Attribute(self, original, updated):
+            if (
+                isinstance(updated.value, cst.Name)
+                and updated.value.value == "self"
+                and updated.attr.value in _WHOLE
+            ):
+                return updated.with_changes(attr=cst.Name(_WHOLE[updated.attr.value]))
+            return updated
+
+    return expr.visit(_Whole())
+
+
 def _attention_lines(attention) -> list[str]:
     """vLLM's `Attention` with what the copy stage proved the source attends with (the
     window exactly as the source passes it; where it passes none, vLLM's model-level
@@ -224,13 +249,19 @@ def emit(
     if "config" not in [p.split("=")[0] for p in params]:
         raise PatternRefused(f"{info.name}.__init__ takes no `config`")
 
+    merged = False
+
     def translate(attr: str, value: cst.BaseExpression) -> list[str] | None:
+        nonlocal merged
         if attr == q:
+            merged = True
             return _qkv_block(spec)
         if attr in (k, v):
             return []
         if attr == spec.out_proj:
             in_size, out_size, bias = spec.out_args
+            if merged:  # the block above made the head counts this rank's
+                in_size = _whole_heads(in_size)
             return [
                 f"self.{attr} = RowParallelLinear({code(in_size)}, {code(out_size)}, bias={code(bias)}, "
                 f'quant_config=quant_config, prefix=f"{{prefix}}.{attr}")'
