@@ -786,12 +786,22 @@ def model_cell(key: str, model: dict) -> str:
     return f"{key} (ran {when}, its file not recorded)" if when else key
 
 
+def error_line(error: str) -> str:
+    """An error's most telling line, short: a pydantic validator's own message (vLLM's
+    config checks) rather than its "1 validation error for ModelConfig" header."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()] or [""]
+    for line in lines[1:]:
+        if line.startswith("Value error, "):
+            return line[len("Value error, ") :].split(" [type=")[0][:160]
+    return lines[0][:160]
+
+
 def not_compared(results: dict, key: str, other: str) -> str:
     """Why a model's row has no ratios against `other`: vLLM has no such class, the run
     failed (its first error), or the model was not run."""
     model = results["models"][key]
     if "error" in model:
-        return f"not run: {model['error'].splitlines()[0][:160]}"
+        return f"not run: {error_line(model['error'])}"
     if other == "native" and not model.get("native_class"):
         return "no native class"
     failed = [r for r in results["runs"] if r["model"] == key and "error" in r]
@@ -802,9 +812,9 @@ def not_compared(results: dict, key: str, other: str) -> str:
             if other == "native"
             else ("backend cannot serve it")
         )
-        return f"{what}: {mine[0]['error'].splitlines()[0][:160]}"
+        return f"{what}: {error_line(mine[0]['error'])}"
     if failed:
-        return f"generated run failed: {failed[0]['error'].splitlines()[0][:160]}"
+        return f"generated run failed: {error_line(failed[0]['error'])}"
     return "not compared"
 
 
@@ -891,7 +901,7 @@ def readme_section(results: dict, plot: Path) -> str:
     lines += ratio_table(results, "native") or ["(no runs to compare)"]
     lines += ["", "Against the Transformers backend:", ""]
     lines += ratio_table(results, "transformers") or ["(no runs to compare)"]
-    lines += ["", toolkit_line(results), ""]
+    lines += ["", *([toolkit_line(results), ""] if results.get("toolkit") else [])]
     rel = os.path.relpath(plot, REPO)
     md = os.path.relpath(plot.parent / "results.md", REPO)
     lines += [f"![speed-ups]({rel})", "", f"Absolute numbers, every run: [{md}]({md})."]
