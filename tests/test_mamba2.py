@@ -184,3 +184,58 @@ def test_a_log_used_without_the_minus_exp_is_not_matched(tmp_path):
     spec = match(load(str(path)).classes[MIXERS["granitemoehybrid"]])
     assert isinstance(spec, Refusal)
     assert "A = -exp(self.A_log.float())" in spec.reason
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_state_shapes_are_the_mixers_and_equal_vllms_own_granite(tp):
+    """The state methods written from the mixer's expressions give, on a Granite 4.0-H
+    config, exactly the shapes vLLM's own granitemoehybrid.py gives."""
+    import textwrap
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        MambaStateCopyFuncCalculator,
+        MambaStateDtypeCalculator,
+        MambaStateShapeCalculator,
+    )
+    from vllm.model_executor.models.granitemoehybrid import (
+        GraniteMoeHybridForCausalLM,
+    )
+
+    from fusion_patterns.mamba2.emit import state_methods
+
+    info, _, config = _mixer("granitemoehybrid")
+    space = {
+        "MambaStateDtypeCalculator": MambaStateDtypeCalculator,
+        "MambaStateShapeCalculator": MambaStateShapeCalculator,
+        "MambaStateCopyFuncCalculator": MambaStateCopyFuncCalculator,
+    }
+    exec(
+        "class Generated:\n"
+        + textwrap.indent(textwrap.dedent(state_methods(match(info))), "    "),
+        space,
+    )
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=config, hf_text_config=config),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        num_speculative_tokens=0,
+    )
+    ours = space["Generated"].get_mamba_state_shape_from_config(vllm_config)
+    assert ours == GraniteMoeHybridForCausalLM.get_mamba_state_shape_from_config(
+        vllm_config
+    )
+    assert space["Generated"].get_mamba_state_copy_func() == (
+        GraniteMoeHybridForCausalLM.get_mamba_state_copy_func()
+    )
+
+
+def test_the_mixer_is_built_from_the_sources_expressions():
+    from fusion_patterns.mamba2.emit import construction
+
+    text = construction(match(load("modeling_zamba2.py").classes[MIXERS["zamba2"]]))
+    assert text.startswith("MambaMixer2(hidden_size=config.hidden_size, ")
+    assert "num_heads=config.n_mamba_heads, " in text
+    assert "n_groups=config.mamba_ngroups, " in text
+    assert "rms_norm_eps=1e-5, " in text
+    assert 'prefix=f"{prefix}.mixer")' in text
+    compile(text, "<construction>", "eval")
