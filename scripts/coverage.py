@@ -304,13 +304,13 @@ def tp2_cell(row: dict) -> str:
     if share <= SHARE_BOUND:
         return f"{share:.2f}"
     whole = [
-        u.split("(", 1)[1].split(")", 1)[0]
-        for u in row.get("unfused", [])
-        if u.startswith("Unfused: tensor parallel")
-    ] + [  # whole as vLLM's own file holds the same layers
-        u.split("(", 1)[1].split(")", 1)[0] + " (as vLLM's own)"
-        for u in row.get("kept", [])
-        if u.startswith("Kept: tensor parallel")
+        u.split("(", 1)[1].split(")", 1)[0] + note
+        for key, kind, note in (
+            ("unfused", "Unfused", ""),
+            ("kept", "Kept", " (as vLLM's own)"),  # whole as vLLM's own file holds it
+        )
+        for u in row.get(key, [])
+        if u.startswith(f"{kind}: tensor parallel")
     ]
     return f"{share:.2f}: whole on every rank: " + (
         ", ".join(whole) or "(none reported)"

@@ -41,39 +41,27 @@ def shard_in_init(text: str, cls: str, rows: dict[str, list[str]]) -> str:
             for a, names in rows.items()
         ),
     ]
-    block = "if True:\n" + "".join(f"    {line}\n" for line in lines)
-    added = cst.parse_statement(block).body.body  # the comment stays on its line
+    from .classes import _append
 
-    class _Init(cst.CSTTransformer):
-        def __init__(self):
-            self.depth, self.done = 0, False
+    def init_extended(stmt):
+        if not isinstance(stmt, cst.FunctionDef) or stmt.name.value != "__init__":
+            return stmt
+        return stmt.with_changes(body=_append(stmt.body, lines))
 
-        def visit_ClassDef(self, node):
-            self.depth += 1
-            return node.name.value == cls or self.depth > 1
-
-        def leave_ClassDef(self, original, updated):
-            self.depth -= 1
-            return updated
-
-        def leave_FunctionDef(self, original, updated):
-            if updated.name.value != "__init__" or self.depth != 1 or self.done:
-                return updated
-            self.done = True
-            body = updated.body
-            return updated.with_changes(
-                body=body.with_changes(body=[*body.body, *added])
-            )
+    def extended(stmt):
+        if not isinstance(stmt, cst.ClassDef) or stmt.name.value != cls:
+            return stmt
+        body = [init_extended(s) for s in stmt.body.body]
+        return stmt.with_changes(body=stmt.body.with_changes(body=body))
 
     module = cst.parse_module(text)
-    out = module.visit(_Init())
-    return out.code
+    return module.with_changes(body=[extended(s) for s in module.body]).code
 
 
 def per_head_parameters(model, cls: str) -> dict[str, list[str]]:
     """{attribute: parameter names} of `cls`'s submodules whose parameters hold a row
     per query or kv head, on every instance the tiny model builds, proven per head."""
-    config = getattr(model.config, "get_text_config", lambda: model.config)()
+    config = model.config.get_text_config()
     heads = getattr(config, "num_attention_heads", None)
     counts = {heads, getattr(config, "num_key_value_heads", None) or heads} - {None}
     found: dict[str, list[str]] = {}

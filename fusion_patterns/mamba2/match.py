@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 
-from ..base import ClassInfo, PatternRefused, Refusal, code, linear_args
+from ..base import ClassInfo, PatternRefused, Refusal, code, is_linear, linear_args
+from ..moe.match import resolve as resolve_attrs
 
 NAME = "mamba2"
 VLLM_CLASS = "MambaMixer2"
@@ -94,7 +95,7 @@ def _read(info: ClassInfo) -> Mamba2Spec:
     if len(convs) != 1:
         raise PatternRefused(f"{len(convs)} nn.Conv1d, expected one")
     called = _self_calls(info.forward)
-    linears = [a for a in called if info.constructed_class(a) in _LINEAR]
+    linears = [a for a in called if is_linear(info, a)]
     if len(linears) < 2:
         raise PatternRefused("forward does not call an in- and an out-projection")
     in_proj, out_proj = linears[0], linears[-1]
@@ -107,7 +108,10 @@ def _read(info: ClassInfo) -> Mamba2Spec:
         raise PatternRefused(
             f"__init__ sets no {', '.join('self.' + a for a in missing)}"
         )
-    resolve = _Resolver(info)
+
+    def resolve(expr: cst.BaseExpression) -> cst.BaseExpression:
+        return resolve_attrs(expr, info, {})  # the constructor's own names stay
+
     args = {k: resolve(info.attrs[a]) for k, a in SIZES.items()}
     hidden, _, bias = linear_args(info.attrs[in_proj])
     args["hidden_size"] = resolve(hidden)
@@ -134,9 +138,6 @@ def _read(info: ClassInfo) -> Mamba2Spec:
     )
 
 
-_LINEAR = ("nn.Linear", "torch.nn.Linear")
-
-
 def _self_calls(node: cst.CSTNode) -> list[str]:
     calls = m.findall(node, m.Call(func=m.Attribute(value=m.Name("self"))))
     return list(dict.fromkeys(c.func.attr.value for c in calls))
@@ -155,36 +156,3 @@ def _keyword(value: cst.BaseExpression, name: str) -> cst.BaseExpression | None:
             if arg.keyword is not None and arg.keyword.value == name:
                 return arg.value
     return None
-
-
-class _Resolver:
-    """`self.<attr>` inside an expression -> what `__init__` assigns to it, until only
-    `config` and constants are left (a refusal where something else is)."""
-
-    def __init__(self, info: ClassInfo):
-        self.info = info
-
-    def __call__(self, expr: cst.BaseExpression, depth: int = 0) -> cst.BaseExpression:
-        if depth > 5:
-            raise PatternRefused(f"{code(expr)} does not resolve to config fields")
-        info = self.info
-
-        class _Sub(cst.CSTTransformer):
-            def leave_Attribute(self, original, updated):
-                if m.matches(updated, m.Attribute(value=m.Name("self"))):
-                    attr = updated.attr.value
-                    if attr not in info.attrs:
-                        raise PatternRefused(f"self.{attr} is not set in __init__")
-                    value = info.attrs[attr]
-                    atom = (cst.Name, cst.Attribute, cst.Call, cst.Subscript)
-                    atom += (cst.Integer, cst.Float, cst.SimpleString)
-                    text = code(value)
-                    return cst.parse_expression(
-                        text if isinstance(value, atom) else f"({text})"
-                    )
-                return updated
-
-        out = expr.visit(_Sub())
-        if m.findall(out, m.Attribute(value=m.Name("self"))):
-            return self(out, depth + 1)
-        return cst.parse_expression(code(out))

@@ -167,7 +167,7 @@ class _Resolve(cst.CSTTransformer):
                 raise PatternRefused(
                     f"{self.info.name}.{original.attr.value} is not set in __init__"
                 )
-            return resolve(value, self.info, self.args)
+            return _grouped(resolve(value, self.info, self.args))
         return updated.with_changes(attr=original.attr)  # `x.<name>` is no parameter
 
     def leave_Arg(self, original, updated):
@@ -175,6 +175,17 @@ class _Resolve(cst.CSTTransformer):
 
     def leave_Name(self, original, updated):
         return self.args.get(original.value, updated)
+
+
+_ATOMS = (cst.Name, cst.Attribute, cst.Call, cst.Subscript, cst.Integer, cst.Float)
+
+
+def _grouped(expr: cst.BaseExpression) -> cst.BaseExpression:
+    """An expression put where `self.<attr>` stood keeps its meaning: parenthesised
+    unless it is an atom (`self.a * 2` with `a = b + c` is `(b + c) * 2`)."""
+    if isinstance(expr, (*_ATOMS, cst.SimpleString)) or expr.lpar:
+        return expr
+    return expr.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
 
 
 def bind(info: ClassInfo, call: cst.Call) -> dict[str, cst.BaseExpression]:
