@@ -320,6 +320,8 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
 
     from transformers import PreTrainedModel
 
+    from fusion_patterns.registry import PATTERNS
+
     from .errors import CodemodError
 
     # (an encoder-decoder model is out of scope before this: `probe.refuse_out_of_scope`)
@@ -336,6 +338,8 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
                 f"cannot generate: {kind}, inside the attention, keeps its own state "
                 f"in the cache ({why}): a sparse selection vLLM's Attention cannot take"
             )
+        if why and any(p.maps_state(classes[kind]) for p in PATTERNS):
+            continue  # its pattern's claim proves it, or says why not
         if why:
             raise CodemodError(
                 f"out of scope: {kind} keeps state across decode steps besides the KV "
@@ -360,3 +364,31 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
                 f"cannot generate: the attention class {kind} is built only by a second "
                 "tiny config, and the proofs run on the first"
             )
+
+
+def refuse_unclaimed_state(found: Cover | None, model) -> None:
+    """A kind that keeps state, left to the claims by `refuse_unservable` because a
+    pattern maps it, and not claimed: the copy would keep transformers' cache."""
+    from fusion_patterns.registry import PATTERNS
+
+    from .errors import CodemodError
+
+    for kind in found.kinds if found is not None else ():
+        info = model.classes.get(kind)
+        if info is None or model.claimed_whole(kind) or not branches.kept_state(info):
+            continue
+        mapping = {p.name for p in PATTERNS if p.maps_state(info)}
+        if not mapping:
+            continue  # the causal LM and the base model: their forward is vLLM's
+        why = next(
+            (
+                r.reason
+                for r in model.refusals
+                if r.source_class == kind and r.pattern in mapping
+            ),
+            "its pattern did not run",
+        )
+        raise CodemodError(
+            f"cannot generate: {kind} keeps state across decode steps besides the KV "
+            f"cache, and its mapping onto vLLM's state cache is not proven ({why})"
+        )

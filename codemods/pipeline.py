@@ -50,7 +50,7 @@ def claimed(
         values = kinds.primary
     found = probe.probe(pymodule, source.classes, causal_cls, values)
     role = roles.find(source, pymodule, causal_cls, found)
-    return claims.run(
+    model = claims.run(
         claims.Model(
             source=source,
             pymodule=pymodule,
@@ -66,6 +66,8 @@ def claimed(
         ),
         disabled,
     )
+    layer_kinds.refuse_unclaimed_state(kinds, model)
+    return model
 
 
 def _emit(model: claims.Model) -> tuple[Plan, str]:

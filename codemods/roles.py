@@ -183,7 +183,7 @@ def find(source: ModelSource, pymodule, causal_cls, probe: Probe) -> Roles:
         if classes[n].forward is not None and interface_call(classes[n].forward)
     }
     eager = {n: v for n, v in probe.eager.items() if n in in_layers and n in wanted}
-    _scope_checks(layer_list, interface | set(eager))
+    _scope_checks(layer_list, interface | set(eager), _state_mixers(classes, wanted))
     comp = _layers_comprehension(base, layers_attr)
 
     specs = {
@@ -257,17 +257,38 @@ def _reachable(start: str, classes: dict[str, ClassInfo]) -> list[str]:
     return seen
 
 
-def _scope_checks(layer_list, attention_like: set[str]) -> None:
-    """Every layer attends (a mixer vLLM's attention cannot serve is out of scope)."""
+def _state_mixers(classes: dict[str, ClassInfo], wanted: list[str]) -> set[str]:
+    """Classes a pattern would map onto a vLLM layer with a state cache (a Mamba-2
+    mixer): a mixer, as attention is; its claim proves it or the file is refused."""
+    from fusion_patterns.registry import PATTERNS
+
+    return {n for n in wanted if any(p.maps_state(classes[n]) for p in PATTERNS)}
+
+
+def _scope_checks(layer_list, attention_like: set[str], state_mixers: set[str]) -> None:
+    """Every layer attends or holds a mixer a pattern maps onto vLLM's state cache (a
+    mixer vLLM's attention cannot serve is out of scope)."""
     import torch.nn as nn
 
     for i, layer in enumerate(layer_list):
-        if not any(type(x).__name__ in attention_like for x in layer.modules()):
+        if not any(
+            type(x).__name__ in attention_like | state_mixers for x in layer.modules()
+        ):
             raise CodemodError(
                 f"out of scope: layer {i} ({type(layer).__name__}) has no attention-interface "
                 "call (a mixer vLLM's Transformers backend cannot serve either)"
             )
-        convs = [type(x).__name__ for x in layer.modules() if isinstance(x, nn.Conv1d)]
+        mapped = {
+            id(c)
+            for x in layer.modules()
+            if type(x).__name__ in state_mixers
+            for c in x.modules()
+        }
+        convs = [
+            type(x).__name__
+            for x in layer.modules()
+            if isinstance(x, nn.Conv1d) and id(x) not in mapped
+        ]
         if convs:
             raise CodemodError(
                 f"out of scope: layer {i} holds a convolution ({convs[0]}), a mixer that is not attention"
@@ -325,15 +346,14 @@ def _looked_up(probe: Probe, classes, wanted: list[str]) -> dict[tuple[str, str]
     `__init__` does not construct by name."""
     out = {}
     for n in wanted:
-        inst = probe.first(n)
-        if inst is None:
-            continue
-        for attr, child in inst.named_children():
-            if (
-                type(child).__name__ in classes
-                and classes[n].constructed_class(attr) is None
-            ):
-                out[(n, attr)] = type(child).__name__
+        # every instance: a hybrid layer builds its attention on some layers only
+        for _, inst in probe.instances.get(n, []):
+            for attr, child in inst.named_children():
+                if (
+                    type(child).__name__ in classes
+                    and classes[n].constructed_class(attr) is None
+                ):
+                    out.setdefault((n, attr), type(child).__name__)
     return out
 
 

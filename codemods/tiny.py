@@ -46,6 +46,11 @@ SIZES = {
     "q_lora_rank": 96,
     "qk_nope_head_dim": 64,
     "v_head_dim": 64,
+    # Mamba-2 mixers: a few heads and a small state; an SSD chunk shorter than the
+    # verification prompts, so the scan carries its state across chunks
+    "mamba_n_heads": 8,
+    "mamba_d_state": 16,
+    "mamba_chunk_size": 16,
 }
 # experts sized by `intermediate_size` (Mixtral, GPT-OSS): vLLM's CPU fused-MoE kernel
 # tiles the intermediate size by 32 per rank, unpadded for some activations (swigluoai),

@@ -271,8 +271,9 @@ class Pattern:
     def emit_class(self, claim: Claim, info: ClassInfo) -> str:
         raise NotImplementedError
 
-    # kind == CONSTRUCTION: the expression built instead of `call`
-    def construction(self, claim: Claim, call: cst.Call) -> str:
+    # kind == CONSTRUCTION: the expression built instead of `call`, which builds
+    # `self.<path>` (None: outside a `self.<attr> = ...` statement)
+    def construction(self, claim: Claim, call: cst.Call, path: str | None) -> str:
         raise NotImplementedError
 
     # kind == REWRITE: the copied class, rewritten (after the copy's own changes)
@@ -291,6 +292,20 @@ class Pattern:
         """A transform of the checkpoint's tensors before the loader reads them."""
         return None
 
+    def helpers(self, claim: Claim) -> str:
+        """Module-level functions what the claim emitted calls."""
+        return ""
+
+    def maps_state(self, info: ClassInfo) -> bool:
+        """The class keeps state across decode steps besides the KV cache, and this
+        pattern would map it onto a vLLM layer that keeps it in vLLM's state cache
+        (its claim proves it or says why not)."""
+        return False
+
+    def causal_lm(self, claim: Claim) -> "CausalHook | None":
+        """vLLM interfaces the causal LM declares, and the methods they ask for."""
+        return None
+
 
 @dataclass
 class BaseForward:
@@ -304,6 +319,15 @@ class BaseForward:
     carried: list[str]
     # first-rank-only initial values of names added to `carried` (`residual = None`)
     initial: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CausalHook:
+    """vLLM interfaces the causal LM gains (`IsHybrid`) and the classmethods they
+    require (the state cache's shapes)."""
+
+    interfaces: tuple[str, ...]
+    methods: str
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The fusion patterns, in the order the claims stage runs them (as vLLM's `FUSERS`).
 
-Order matters where one pattern reads another's claims: norms first (the attention's
-head norms, the residual fold and the latent attention build on proven norms), then the
+Order matters where one pattern reads another's claims: the mixers that keep state
+first (vLLM's layer holds their norm and projections: nothing else claims them), norms
+(the attention's head norms, the residual fold and the latent attention build on
+proven norms), then the
 blocks inside a layer (a MoE block before a gated MLP, so a router is never taken for a
 gate, and before its experts alone, taken only where the block is not), then the attention whole (latent, then vLLM's own layout) before the merge of a
 copied attention's projections, vLLM's rope in a copied attention and vLLM's positions
@@ -10,6 +12,7 @@ for a count from the cache, and the residual fold last.
 
 from .cache_positions import CachePositions
 from .glu import GLU
+from .mamba2 import Mamba2
 from .mla import LatentAttention
 from .moe import MoE
 from .qkv import NativeAttention, QKVMerge
@@ -19,6 +22,7 @@ from .rms_norm import RMSNormPattern
 from .rotary import Rope
 
 PATTERNS = (
+    Mamba2(),
     RMSNormPattern(),
     MoE(),
     RoutedExperts(),

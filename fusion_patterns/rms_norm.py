@@ -418,7 +418,12 @@ class RMSNormPattern(Pattern):
             kinds = {}
             for _, inst in model.probe.instances.get(n, []):
                 kinds.setdefault(getattr(inst, "weight", None) is None, inst)
-            owners = [model.classes[o] for o in model.roles.wanted]
+            # a class claimed whole builds its norms as its pattern says
+            owners = [
+                model.classes[o]
+                for o in model.roles.wanted
+                if not model.claimed_whole(o)
+            ]
             try:
                 if not kinds:
                     # built only under another tiny config (Cohere2-MoE's RMSNorm or
@@ -442,7 +447,7 @@ class RMSNormPattern(Pattern):
                 continue
             yield Claim(self, n, spec, CONSTRUCTION, records=_unique(records))
 
-    def construction(self, claim: Claim, call: cst.Call) -> str:
+    def construction(self, claim: Claim, call: cst.Call, path: str | None) -> str:
         return claim.spec.construction(call)
 
 

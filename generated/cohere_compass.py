@@ -15,8 +15,8 @@
 #   Unfused: decoder layer (CohereCompassDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (CohereCompassAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
 #   Refused: CohereCompassLayerNorm (CohereCompassLayerNorm): none of vLLM's RMSNorm forms computes it (RMSNorm: the fused form differs (max rel err 4.9e-02 > 1e-05))
-#   Refused: attention (CohereCompassAttention): not vLLM's own layout: query (merged GEMM, head norm, rope): the fused form differs (max rel err 1.6e+00 > 1e-05)
-#   Refused: rotary embedding (CohereCompassAttention): vLLM's rope computes something else (no head size, rotated dims, pair style and config rope parameters give the source's numbers)
+#   Refused: attention (CohereCompassAttention): not vLLM's own layout: its rope is applied only `if position_embeddings is not None` (a layer or config without rope hands no tables)
+#   Refused: rotary embedding (CohereCompassAttention): the rope is applied only `if position_embeddings is not None` (a layer or config without rope hands no tables), which vLLM's rope built in `__init__` would not follow
 #   Refused: residual add + norm (CohereCompassDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of CohereCompassForCausalLM, generated from transformers/models/cohere_compass/modeling_cohere_compass.py."""

@@ -13,12 +13,12 @@
 #   Fused: post_attention_layernorm (GraniteSWADecoderLayer) -> post_attention_layernorm (RMSNorm)
 #   Fused: gate_proj + up_proj (GraniteSWAMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: q_proj + k_proj + v_proj (GraniteSWAAttention) -> qkv_proj (QKVParallelLinear)
-#   Fused: apply_rotary_pos_emb (GraniteSWAAttention) -> rotary_emb (get_rope, NeoX halves)
 #   Fused: residual add + input_layernorm (GraniteSWADecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (GraniteSWADecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: module (GraniteSWARotaryEmbedding): copied from the source
 #   Unfused: attention (GraniteSWAAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window, sinks=self.sinks)
 #   Refused: attention (GraniteSWAAttention): not vLLM's own layout: attention sinks
+#   Refused: rotary embedding (GraniteSWAAttention): the rope is applied only `if position_embeddings is not None` (a layer or config without rope hands no tables), which vLLM's rope built in `__init__` would not follow
 # ======================================================================================
 """Native vLLM implementation of GraniteSWAForCausalLM, generated from transformers/models/granite_swa/modeling_granite_swa.py."""
 
@@ -42,7 +42,6 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
-from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -84,6 +83,38 @@ def vllm_attention(
         value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
     out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
     return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
+
+
+def rotate_half(x):
+    """Rotates half the hidden dims of the input."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """Applies Rotary Position Embedding to the query and key tensors.
+
+    Args:
+        q (`torch.Tensor`): The query tensor.
+        k (`torch.Tensor`): The key tensor.
+        cos (`torch.Tensor`): The cosine part of the rotary embedding.
+        sin (`torch.Tensor`): The sine part of the rotary embedding.
+        unsqueeze_dim (`int`, *optional*, defaults to 1):
+            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
+            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
+            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
+            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
+            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
+            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
+    Returns:
+        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
+    """
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
 
 
 class GraniteSWAAttention(nn.Module):
@@ -138,12 +169,6 @@ class GraniteSWAAttention(nn.Module):
 
         # Learnable per-head attention sink (applied as an auxiliary softmax logit).
         self.sinks = nn.Parameter(torch.zeros(config.num_attention_heads))
-        self.rotary_emb = get_rope(
-            self.head_dim,
-            max_position=config.max_position_embeddings,
-            is_neox_style=True,
-            rope_parameters=config.rope_parameters,
-        )
         # the sinks of this rank's heads, each loaded from its slice of the checkpoint tensor
         if self.sinks is not None:
             self.sinks = nn.Parameter(
@@ -179,7 +204,6 @@ class GraniteSWAAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
         past_key_values=None,
-        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
@@ -194,8 +218,8 @@ class GraniteSWAAttention(nn.Module):
 
         if position_embeddings is not None:
             cos, sin = position_embeddings
-            query_states, key_states = self._vllm_rope(
-                positions, query_states, key_states
+            query_states, key_states = apply_rotary_pos_emb(
+                query_states, key_states, cos, sin
             )
 
         attn_output = vllm_attention(self.attn, query_states, key_states, value_states)
@@ -203,17 +227,6 @@ class GraniteSWAAttention(nn.Module):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, None
-
-    def _vllm_rope(self, positions, query, key):
-        # vLLM's rope takes [tokens, heads * head size]; the source holds
-        # [1, heads, tokens, head size]
-        tokens = positions.shape[-1]
-        q, k = (t.transpose(1, 2).reshape(tokens, -1) for t in (query, key))
-        q, k = self.rotary_emb(positions, q, k)
-        return tuple(
-            r.view(t.transpose(1, 2).shape).transpose(1, 2)
-            for r, t in ((q, query), (k, key))
-        )
 
 
 class GraniteSWAMLP(nn.Module):
@@ -282,7 +295,6 @@ class GraniteSWADecoderLayer(nn.Module):
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         residual: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
         **kwargs,
     ):
         """
@@ -317,7 +329,6 @@ class GraniteSWADecoderLayer(nn.Module):
             attention_mask=attention_mask,
             position_ids=position_ids,
             position_embeddings=position_embeddings,
-            positions=positions,
             **kwargs,
         )
         hidden_states = hidden_states * self.residual_multiplier
@@ -481,7 +492,6 @@ class GraniteSWAModel(nn.Module):
                 position_ids=position_ids,
                 position_embeddings=layer_position_embeddings,
                 residual=residual,
-                positions=positions,
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors(

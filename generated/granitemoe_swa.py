@@ -13,7 +13,6 @@
 #   Fused: post_attention_layernorm (GraniteMoeSWADecoderLayer) -> post_attention_layernorm (RMSNorm)
 #   Fused: gate_up_proj + down_proj (GraniteMoeSWAExperts) -> experts (FusedMoE, external routing: the block's own router picks the experts, in self.block_sparse_moe.experts)
 #   Fused: q_proj + k_proj + v_proj (GraniteMoeSWAAttention) -> qkv_proj (QKVParallelLinear)
-#   Fused: apply_rotary_pos_emb (GraniteMoeSWAAttention) -> rotary_emb (get_rope, NeoX halves)
 #   Unfused: module (GraniteMoeSWARotaryEmbedding): copied from the source
 #   Unfused: decoder layer (GraniteMoeSWADecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (GraniteMoeSWAMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
@@ -23,6 +22,7 @@
 #   Refused: router + experts (GraniteMoeSWAMoE): no router class matched
 #   Refused: gate/up projections (GraniteMoeSWAMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: attention (GraniteMoeSWAAttention): not vLLM's own layout: attention sinks
+#   Refused: rotary embedding (GraniteMoeSWAAttention): the rope is applied only `if position_embeddings is not None` (a layer or config without rope hands no tables), which vLLM's rope built in `__init__` would not follow
 #   Refused: residual add + norm (GraniteMoeSWADecoderLayer): `moe_hidden_states = self.block_sparse_moe(hidden_states)` is not a sublayer applied to the normed stream
 # ======================================================================================
 """Native vLLM implementation of GraniteMoeSWAForCausalLM, generated from transformers/models/granitemoe_swa/modeling_granitemoe_swa.py."""
@@ -50,7 +50,6 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
-from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -183,6 +182,38 @@ class GraniteMoeSWAMoE(nn.Module):
         return layer_output.view(bsz, length, self.input_size)
 
 
+def rotate_half(x):
+    """Rotates half the hidden dims of the input."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """Applies Rotary Position Embedding to the query and key tensors.
+
+    Args:
+        q (`torch.Tensor`): The query tensor.
+        k (`torch.Tensor`): The key tensor.
+        cos (`torch.Tensor`): The cosine part of the rotary embedding.
+        sin (`torch.Tensor`): The sine part of the rotary embedding.
+        unsqueeze_dim (`int`, *optional*, defaults to 1):
+            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
+            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
+            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
+            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
+            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
+            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
+    Returns:
+        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
+    """
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+
+
 class GraniteMoeSWAAttention(nn.Module):
     """Granite attention with per-layer sliding window and a learnable per-head attention sink.
     RoPE is applied only when the model passes ``position_embeddings`` (NoPE uses ``None``).
@@ -235,12 +266,6 @@ class GraniteMoeSWAAttention(nn.Module):
 
         # Learnable per-head attention sink (applied as an auxiliary softmax logit).
         self.sinks = nn.Parameter(torch.zeros(config.num_attention_heads))
-        self.rotary_emb = get_rope(
-            self.head_dim,
-            max_position=config.max_position_embeddings,
-            is_neox_style=True,
-            rope_parameters=config.rope_parameters,
-        )
         # the sinks of this rank's heads, each loaded from its slice of the checkpoint tensor
         if self.sinks is not None:
             self.sinks = nn.Parameter(
@@ -276,7 +301,6 @@ class GraniteMoeSWAAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
         past_key_values=None,
-        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
@@ -291,8 +315,8 @@ class GraniteMoeSWAAttention(nn.Module):
 
         if position_embeddings is not None:
             cos, sin = position_embeddings
-            query_states, key_states = self._vllm_rope(
-                positions, query_states, key_states
+            query_states, key_states = apply_rotary_pos_emb(
+                query_states, key_states, cos, sin
             )
 
         attn_output = vllm_attention(self.attn, query_states, key_states, value_states)
@@ -300,17 +324,6 @@ class GraniteMoeSWAAttention(nn.Module):
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         attn_output = self.o_proj(attn_output)
         return attn_output, None
-
-    def _vllm_rope(self, positions, query, key):
-        # vLLM's rope takes [tokens, heads * head size]; the source holds
-        # [1, heads, tokens, head size]
-        tokens = positions.shape[-1]
-        q, k = (t.transpose(1, 2).reshape(tokens, -1) for t in (query, key))
-        q, k = self.rotary_emb(positions, q, k)
-        return tuple(
-            r.view(t.transpose(1, 2).shape).transpose(1, 2)
-            for r, t in ((q, query), (k, key))
-        )
 
 
 class GraniteMoeSWAMLP(nn.Module):
@@ -398,7 +411,6 @@ class GraniteMoeSWADecoderLayer(nn.Module):
         output_attentions: bool | None = False,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.FloatTensor, tuple[torch.FloatTensor, torch.FloatTensor] | None]:
         residual = hidden_states
@@ -410,7 +422,6 @@ class GraniteMoeSWADecoderLayer(nn.Module):
             attention_mask=attention_mask,
             position_ids=position_ids,
             position_embeddings=position_embeddings,
-            positions=positions,
             **kwargs,
         )
 
@@ -578,7 +589,6 @@ class GraniteMoeSWAModel(nn.Module):
                 attention_mask=causal_mask_mapping[self.config.layer_types[i]],
                 position_ids=position_ids,
                 position_embeddings=layer_position_embeddings,
-                positions=positions,
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

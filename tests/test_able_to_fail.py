@@ -274,6 +274,15 @@ BUG_CLASSES = [
     ),
 ]
 
+MUTATIONS.append(
+    (
+        "granitemoehybrid",
+        "the Mamba-2 decay from the negated A_log (A = -exp(-A_log))",
+        'name = name[: -len("A_log")] + "A"',
+        'name, tensor = name[: -len("A_log")] + "A", -tensor',
+    )
+)
+
 BUG_CLASSES.append(
     (
         "falcon",

@@ -1,12 +1,14 @@
 """Mamba-2 mixers read as vLLM's MambaMixer2 and proven against its computation over a
-prefill and decode steps with the states carried (engine-free; issue 38, first slice:
-the pattern is not in the registry yet)."""
+prefill and decode steps with the states carried, and what the pipeline makes of a
+proven or a refused mixer (engine-free; the engine runs are in test_hybrid_engine.py).
+"""
 
 from __future__ import annotations
 
 import glob
 import importlib
 import os
+import re
 
 import pytest
 
@@ -233,9 +235,99 @@ def test_the_mixer_is_built_from_the_sources_expressions():
     from fusion_patterns.mamba2.emit import construction
 
     text = construction(match(load("modeling_zamba2.py").classes[MIXERS["zamba2"]]))
-    assert text.startswith("MambaMixer2(hidden_size=config.hidden_size, ")
+    assert text.startswith(
+        "with_sharded_bias(MambaMixer2(hidden_size=config.hidden_size, "
+    )
     assert "num_heads=config.n_mamba_heads, " in text
     assert "n_groups=config.mamba_ngroups, " in text
     assert "rms_norm_eps=1e-5, " in text
-    assert 'prefix=f"{prefix}.mixer")' in text
+    assert 'prefix=f"{prefix}.mixer"))' in text
+    # Zamba 2 normalises per group (its norm is built from n_groups): no one-group guard
+    assert "one_group(" not in text
     compile(text, "<construction>", "eval")
+
+
+def _generated(name: str, disabled=frozenset()):
+    from codemods import pipeline
+
+    outside = "/" in name  # an edited copy: not part of the installed transformers
+    return pipeline.generate(name, outside, disabled=frozenset(disabled))
+
+
+@pytest.fixture(scope="module")
+def granite_hybrid():
+    return _generated("modeling_granitemoehybrid.py")
+
+
+def test_a_proven_mixer_is_vllms_layer_built_where_the_source_builds_it(
+    granite_hybrid,
+):
+    plan, text = granite_hybrid
+    (record,) = [r for r in plan.records if r.pattern == "mamba2"]
+    assert (record.source_class, record.target, record.vllm_class) == (
+        "GraniteMoeHybridMambaLayer",
+        "mamba",
+        "MambaMixer2",
+    )
+    assert "in_proj" in record.sources and "out_proj" in record.sources
+    # the mixer class is not emitted; the layer keeps the source's choice of mixer
+    assert "class GraniteMoeHybridMambaLayer" not in text
+    assert 'if config.layers_block_type[layer_idx] == "linear_attention":' in text
+    assert 'prefix=f"{prefix}.mamba"' in text  # the state cache's key: the module path
+    # vLLM's mixer takes one row per token
+    assert re.search(
+        r"self\.mamba\(hidden_states\.flatten\(0, -2\)\)\.view_as\(\s*hidden_states\s*\)",
+        text,
+    )
+    # Granite's gated norm spans the whole width: one group only, checked at load
+    assert "n_groups=one_group(config.mamba_n_groups)" in text
+
+
+def test_the_causal_lm_is_hybrid_with_the_mixers_state_shapes(granite_hybrid):
+    _, text = granite_hybrid
+    assert re.search(
+        r"class GraniteMoeHybridForCausalLM\(\s*nn\.Module, HasInnerState, IsHybrid,",
+        text,
+    )
+    for method in (
+        "get_mamba_state_shape_from_config",
+        "get_mamba_state_dtype_from_config",
+        "get_mamba_state_copy_func",
+    ):
+        assert f"def {method}(cls" in text
+    # the checkpoint's A_log is loaded into the mixer's A (whose loader takes -exp)
+    assert "self._mamba2_a(weights)" in text
+
+
+def test_the_one_group_guard_refuses_a_grouped_config_in_one_line(granite_hybrid):
+    from fusion_patterns.mamba2.emit import ONE_GROUP
+
+    space: dict = {}
+    exec(ONE_GROUP, space)
+    assert space["one_group"](1) == 1
+    with pytest.raises(ValueError, match="n_groups=2: this model's gated norm spans"):
+        space["one_group"](2)
+
+
+def test_a_mixer_no_pattern_claims_is_not_generated():
+    """With the pattern off, the mixer would be copied with transformers' cache calls:
+    the file is refused, naming the layer."""
+    from codemods.errors import CodemodError
+
+    with pytest.raises(CodemodError) as err:
+        _generated("modeling_granitemoehybrid.py", {"mamba2"})
+    assert str(err.value).startswith(
+        "cannot generate: GraniteMoeHybridMambaLayer keeps state across decode steps"
+    )
+    assert "its pattern did not run" in str(err.value)
+
+
+def test_a_mixer_whose_proof_fails_is_refused_with_the_proofs_reason(tmp_path):
+    from codemods.errors import CodemodError
+
+    old, new, reason = EDITS["the D skip dropped"]
+    path = edited_modeling_file(tmp_path, "modeling_granitemoehybrid.py", old, new)
+    with pytest.raises(CodemodError) as err:
+        _generated(str(path))
+    assert "GraniteMoeHybridMambaLayer keeps state" in str(err.value)
+    assert reason in str(err.value)

@@ -116,3 +116,17 @@ def test_an_attention_that_computes_attention_itself_keeps_its_rope():
     assert "computes attention itself" in refusal.describe()
     assert "_vllm_rope" not in text
     assert "vllm_attention_heads(" in text
+
+
+def test_a_rope_applied_only_when_tables_are_handed_is_kept_as_the_source_has_it():
+    """Granite's SWA attention rotates only `if position_embeddings is not None`: its
+    base model hands no tables to a layer whose theta is 0 (NoPE), and a different
+    table per theta. vLLM's rope built once in `__init__` would rotate every layer at
+    the global theta (the generated file did, and verified only because the tiny config
+    gave every layer the same theta)."""
+    plan, text = generate("modeling_granite_swa.py")
+    assert rope_records(plan) == []
+    [refusal] = [r for r in plan.refusals if r.pattern == "rope"]
+    assert "applied only `if position_embeddings is not None`" in refusal.describe()
+    assert "if position_embeddings is not None:" in text
+    assert "get_rope(" not in text

@@ -86,7 +86,7 @@ def assemble(model: Model, copied: Copied, defs: Definitions, plan: Plan) -> Ass
     plan.unfused[:] = [u for u in plan.unfused if u.source_class not in removed]
     order = list(classes)
     body = "\n\n".join(pieces[n] for n in sorted(pieces, key=order.index))
-    helper = _helpers(ctx, pieces)
+    helper = _helpers(ctx, pieces, model.claims)
     body = helper + "\n\n" + body
     # the classes this file defines; a claimed class (a norm whose constructions are
     # vLLM's) is imported from vLLM even where the source names its own alike
@@ -180,8 +180,8 @@ def _bound_by(imports: str) -> set[str]:
     return out
 
 
-def _helpers(ctx, pieces: dict[str, str]) -> str:
-    """Module-level helpers the copied classes call."""
+def _helpers(ctx, pieces: dict[str, str], claims) -> str:
+    """Module-level helpers the copied classes and the claims call."""
     specs = ctx.attention.values()
     helper = (
         vllm_attention.VLLM_ATTENTION_HELPER
@@ -198,6 +198,8 @@ def _helpers(ctx, pieces: dict[str, str]) -> str:
         helper += CONV1D_HELPER
     if any("shard_head_rows(" in text for text in pieces.values()):
         helper += head_rows.HELPER
+    for text in dict.fromkeys(c.pattern.helpers(c) for c in claims):
+        helper += text
     return helper
 
 
@@ -234,6 +236,12 @@ def _loading(model: Model, plan: Plan) -> Loading:
     )
     loading = Loading(mapper, methods, stacked=weights_arg == "stacked")
     for claim in model.claims:
+        if (causal := claim.pattern.causal_lm(claim)) is not None:
+            loading.interfaces += tuple(
+                i for i in causal.interfaces if i not in loading.interfaces
+            )
+            if causal.methods not in loading.methods:
+                loading.methods += causal.methods
         hook = claim.pattern.loader(claim)
         if hook is None or hook.methods in loading.methods:
             continue

@@ -51,6 +51,8 @@ class Loading:
     mapper_expr: str = "self.hf_to_vllm_mapper"
     # a hook's weights expression adds what it loads itself to `loaded`
     reports_loaded: bool = False
+    # vLLM interfaces the claims ask of the causal LM (`IsHybrid`)
+    interfaces: tuple[str, ...] = ()
 
     def body(self) -> str:
         lines = ["        loaded: set[str] = set()"] if self.reports_loaded else []
@@ -166,7 +168,7 @@ def emit_causal(
         else f'{{"{roles.head_attr}": "output_embeddings"}}'
     )
     return f"""
-class {info.name}(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
+class {info.name}({", ".join(("nn.Module", *loading.interfaces, "SupportsLoRA", "SupportsPP", "SupportsQuant"))}):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {{
 {packed_lines}

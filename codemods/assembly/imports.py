@@ -48,6 +48,15 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("vllm.model_executor.layers.logits_processor", ("LogitsProcessor",)),
+    ("vllm.model_executor.layers.mamba.mamba_mixer2", ("MambaMixer2",)),
+    (
+        "vllm.model_executor.layers.mamba.mamba_utils",
+        (
+            "MambaStateCopyFuncCalculator",
+            "MambaStateDtypeCalculator",
+            "MambaStateShapeCalculator",
+        ),
+    ),
     (
         "vllm.model_executor.layers.mla",
         ("MLAModules", "MultiHeadLatentAttentionWrapper"),
@@ -64,7 +73,7 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vllm.model_executor.models.gpt_oss", ("GptOssRoutedExperts",)),
     (
         "vllm.model_executor.models.interfaces",
-        ("SupportsLoRA", "SupportsPP", "SupportsQuant"),
+        ("HasInnerState", "IsHybrid", "SupportsLoRA", "SupportsPP", "SupportsQuant"),
     ),
     (
         "vllm.model_executor.models.transformers.moe",

@@ -279,7 +279,9 @@ class _InitRewrite(cst.CSTTransformer):
                 )
         if func in self.ctx.constructions:
             claim = self.ctx.constructions[func]
-            return cst.parse_expression(claim.pattern.construction(claim, updated))
+            return cst.parse_expression(
+                claim.pattern.construction(claim, updated, path)
+            )
         if func in self.ctx.prefix_classes:
             if path is None:
                 if func in self.ctx.attention or _holds_attention(func, self.ctx):

@@ -1,13 +1,153 @@
-"""Mamba-2 mixers -> vLLM's `MambaMixer2` (its conv and SSM state caches).
+"""Mamba-2 mixers -> vLLM's `MambaMixer2` (its conv and SSM states in vLLM's cache).
 
-Issue 38, first slice: the match (`match.py`), the proof (`proof.py`), and what the
-file will hold (`emit.py`: the `MambaMixer2(...)` construction and the causal LM's state
-methods from the same expressions). The pattern is not in the registry yet, so no
-generated file changes. Next: the call site on vLLM's [tokens, hidden], the hybrid frame
-in the assembly (`IsHybrid`, `HasInnerState`), the loader's names, then the models.
+The match (`match.py`) reads the mixer's sizes as `MambaMixer2`'s arguments; the proof
+(`proof.py`) runs the source mixer against vLLM's computation over a prefill and decode
+steps with the states carried; `emit.py` writes the construction and the causal LM's
+state methods from the same expressions. Claimed per construction: the mixer class is
+not emitted, each `Mixer(config, ...)` becomes `MambaMixer2(...)`, and each call of it
+takes vLLM's one row per token.
 """
 
+from __future__ import annotations
+
+import libcst as cst
+import libcst.matchers as m
+
+from ..base import (
+    CONSTRUCTION,
+    CausalHook,
+    Claim,
+    ClassInfo,
+    FusionRecord,
+    LoaderHook,
+    Pattern,
+    PatternRefused,
+    Refusal,
+    code,
+    refused_by,
+)
+from . import emit
 from .match import NAME, VLLM_CLASS, WHAT, Mamba2Spec, match
 from .proof import prove
 
-__all__ = ["NAME", "VLLM_CLASS", "WHAT", "Mamba2Spec", "match", "prove"]
+__all__ = ["Mamba2", "NAME", "VLLM_CLASS", "WHAT", "Mamba2Spec", "match", "prove"]
+
+INTERFACES = ("HasInnerState", "IsHybrid")
+
+
+class Mamba2(Pattern):
+    name = NAME
+    rewrites_calls = True
+
+    def maps_state(self, info: ClassInfo) -> bool:
+        return match(info) is not None  # a near miss too: its refusal says why
+
+    def claim(self, model):
+        for n in model.roles.wanted:
+            spec = match(model.classes[n])
+            if spec is None:
+                continue
+            if isinstance(spec, Refusal):
+                yield spec
+                continue
+            try:
+                inst = model.first(n)
+                if inst is None:
+                    raise PatternRefused("the tiny model never builds it")
+                prove(spec, inst, model.config)
+                sites = _call_sites(model, n)
+                if not sites:
+                    raise PatternRefused("no copied module calls it")
+                for call in sites:
+                    _hidden(spec, call)
+            except Exception as exc:  # a proof that fails or cannot run: refused
+                yield refused_by(exc, NAME, n, WHAT)
+                continue
+            scopes = model.roles.scopes.get(n, [""])
+            yield Claim(
+                self,
+                n,
+                spec,
+                CONSTRUCTION,
+                records=[_record(spec, scope) for scope in scopes],
+            )
+
+    def construction(self, claim: Claim, call: cst.Call, path: str | None) -> str:
+        where = f'f"{{prefix}}.{path}"' if path else 'f"{prefix}.mixer"'
+        return emit.construction(claim.spec, call, where)
+
+    def call_site(self, claim: Claim, call: cst.Call) -> cst.BaseExpression:
+        # vLLM's mixer takes one row per token; the copied layers hold [1, tokens, hidden]
+        x = code(_hidden(claim.spec, call))
+        return cst.parse_expression(
+            f"{code(call.func)}({x}.flatten(0, -2)).view_as({x})"
+        )
+
+    def loader(self, claim: Claim) -> LoaderHook:
+        ends = tuple(sorted({f".{r.scope}.A_log" for r in claim.records}))
+        return LoaderHook(
+            NEGATED_A.format(ends=ends), weights="self._mamba2_a({weights})"
+        )
+
+    def helpers(self, claim: Claim) -> str:
+        return emit.SHARDED_BIAS + ("" if claim.spec.norm_grouped else emit.ONE_GROUP)
+
+    def causal_lm(self, claim: Claim) -> CausalHook:
+        return CausalHook(INTERFACES, emit.state_methods(claim.spec))
+
+
+# the checkpoint holds A_log; MambaMixer2 holds A, its weight loader taking -exp(A_log)
+NEGATED_A = """
+    def _mamba2_a(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        # MambaMixer2's A is loaded from the checkpoint's A_log (its loader takes -exp)
+        for name, tensor in weights:
+            if name.endswith({ends}):
+                name = name[: -len("A_log")] + "A"
+            yield name, tensor
+"""
+
+
+def _record(spec: Mamba2Spec, scope: str) -> FusionRecord:
+    return FusionRecord(
+        NAME,
+        spec.class_name,
+        (spec.in_proj, spec.conv, "A_log + dt_bias + D", spec.norm, spec.out_proj),
+        scope.rsplit(".", 1)[-1] or "mixer",
+        VLLM_CLASS,
+        scope=scope,
+        detail="conv and SSM states in vLLM's state cache",
+    )
+
+
+def _call_sites(model, cls: str) -> list[cst.Call]:
+    """Every `self.<attr>(...)` of a copied module whose `<attr>` holds `cls`."""
+    calls = []
+    for owner in model.roles.wanted:
+        info = model.classes[owner]
+        if info.forward is None:
+            continue
+        for attr in info.attrs:
+            if cls not in info.constructed_classes(attr):
+                continue
+            calls += m.findall(
+                info.forward,
+                m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(attr))),
+            )
+    return calls
+
+
+def _hidden(spec: Mamba2Spec, call: cst.Call) -> cst.BaseExpression:
+    """The hidden states a call hands the mixer (its forward's first parameter), a
+    name: the call site reads it twice."""
+    params = [p.name.value for p in spec.info.forward.params.params][1:]
+    first = params[0] if params else "hidden_states"
+    for i, arg in enumerate(call.args):
+        if (arg.keyword is None and i == 0 and not arg.star) or (
+            arg.keyword is not None and arg.keyword.value == first
+        ):
+            if isinstance(arg.value, (cst.Name, cst.Attribute)):
+                return arg.value
+            raise PatternRefused(
+                f"it is called on an expression ({code(arg.value)}), not a name"
+            )
+    raise PatternRefused(f"a call hands it no {first}")

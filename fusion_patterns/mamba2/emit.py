@@ -1,11 +1,14 @@
 """What the generated file will hold for a proven Mamba-2 mixer: vLLM's `MambaMixer2`
 built from the source's own expressions, and the causal LM's state methods (the shapes,
 dtypes and copy functions of vLLM's state cache) from the same expressions, so the
-cache and the layer can never disagree. Not wired into the pipeline yet (issue 38)."""
+cache and the layer can never disagree."""
 
 from __future__ import annotations
 
+import libcst as cst
+
 from ..base import code
+from ..moe.match import bind, resolve
 from .match import Mamba2Spec
 
 # MambaMixer2's keyword -> MambaStateShapeCalculator.mamba2_state_shape's
@@ -32,16 +35,23 @@ ORDER = (
 )
 
 
-def construction(spec: Mamba2Spec, prefix: str = 'f"{prefix}.mixer"') -> str:
-    """`MambaMixer2(...)`, its arguments the source's expressions over `config`."""
-    args = [f"{k}={code(spec.args[k])}" for k in ORDER]
+def construction(
+    spec: Mamba2Spec, call: cst.Call | None = None, prefix: str = 'f"{prefix}.mixer"'
+) -> str:
+    """`MambaMixer2(...)`, its arguments the source's expressions over `config`, or,
+    given the source's construction `call`, over the caller's arguments."""
+    bound = bind(spec.info, call) if call is not None else {}
+    values = {k: code(resolve(spec.args[k], spec.info, bound)) for k in ORDER}
+    if not spec.norm_grouped:
+        values["n_groups"] = f"one_group({values['n_groups']})"
+    args = [f"{k}={v}" for k, v in values.items()]
     args += [
         "model_config=get_current_vllm_config().model_config",
         "cache_config=get_current_vllm_config().cache_config",
         "quant_config=quant_config",
         f"prefix={prefix}",
     ]
-    return "MambaMixer2(" + ", ".join(args) + ")"
+    return "with_sharded_bias(MambaMixer2(" + ", ".join(args) + "))"
 
 
 def state_methods(spec: Mamba2Spec) -> str:
@@ -72,3 +82,31 @@ def state_methods(spec: Mamba2Spec) -> str:
     def get_mamba_state_copy_func(cls):
         return MambaStateCopyFuncCalculator.mamba2_state_copy_func()
 """
+
+
+# a source norm over the whole gated width: vLLM's norm is per group
+ONE_GROUP = '''
+def one_group(n_groups: int) -> int:
+    """The source normalises the gated output over its whole width; vLLM's MambaMixer2
+    normalises within each group, the same only with one group."""
+    if n_groups != 1:
+        raise ValueError(
+            f"n_groups={n_groups}: this model's gated norm spans the whole width, which "
+            "vLLM's MambaMixer2 computes only with n_groups=1"
+        )
+    return n_groups
+'''
+
+
+# vLLM's MambaMixer2 with fewer groups than ranks gives its in-projection weight a
+# loader placing each rank's groups, not its bias (vLLM's own file fails to load one)
+SHARDED_BIAS = '''
+def with_sharded_bias(mixer: MambaMixer2) -> MambaMixer2:
+    """With fewer groups than ranks, MambaMixer2 loads its in-projection weight with a
+    loader that gives each rank the groups its heads read; the bias, laid out alike,
+    gets the same loader (vLLM leaves it the plain column loader, which cannot)."""
+    bias = mixer.in_proj.bias
+    if bias is not None and not isinstance(mixer.in_proj, MergedColumnParallelLinear):
+        bias.weight_loader = mixer.in_proj.weight.weight_loader
+    return mixer
+'''

@@ -12,7 +12,7 @@ computation on the instance's own weights and refuses where one was read wrong.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import libcst as cst
 import libcst.matchers as m
@@ -67,6 +67,11 @@ class Mamba2Spec:
     args: dict[str, cst.BaseExpression]
     chunk_size: cst.BaseExpression | None
     time_step_limit: cst.BaseExpression | None
+    # the gated norm is built per group (from the mixer's n_groups); else it spans the
+    # whole width, which vLLM's per-group norm equals only with one group
+    norm_grouped: bool = False
+    # the source class: its constructor's parameters, bound at each construction
+    info: ClassInfo | None = field(default=None, compare=False, repr=False)
 
 
 def is_candidate(info: ClassInfo) -> bool:
@@ -120,6 +125,7 @@ def _read(info: ClassInfo) -> Mamba2Spec:
     if eps is None:
         raise PatternRefused(f"self.{gated[0]} is built without an eps")
     args["rms_norm_eps"] = resolve(eps)
+    norm_grouped = code(args["n_groups"]) in code(resolve(info.attrs[gated[0]]))
     return Mamba2Spec(
         class_name=info.name,
         in_proj=in_proj,
@@ -135,6 +141,8 @@ def _read(info: ClassInfo) -> Mamba2Spec:
             if "time_step_limit" in info.attrs
             else None
         ),
+        norm_grouped=norm_grouped,
+        info=info,
     )
 
 

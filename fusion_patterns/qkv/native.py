@@ -25,6 +25,7 @@ from ..emitting import (
     translate_init,
 )
 from ..rms_norm import is_norm_call
+from ..rotary.match import condition as rope_condition
 from . import proof
 from .match import NAME, QKVSpec, match, records
 
@@ -72,6 +73,11 @@ class NativeAttention(Pattern):
                 continue  # the merge pattern reports the refusal
             try:
                 _eligible(attention)
+                if (test := rope_condition(info.forward)) is not None:
+                    raise PatternRefused(
+                        f"its rope is applied only `if {test}` (a layer or config "
+                        "without rope hands no tables)"
+                    )
                 text = emit(info, spec, attention, norms, neox, by_type)
                 for path, inst in model.probe.instances.get(n, []):
                     call = model.call(inst)

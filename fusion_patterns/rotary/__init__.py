@@ -28,7 +28,7 @@ from ..base import (
 )
 from ..emitting import with_keyword
 from .emit import LAYOUTS, METHOD, construction, dedent, rewrite_forward
-from .match import NAME, WHAT, RopeSpec, find_calls
+from .match import NAME, WHAT, RopeSpec, condition, find_calls
 from .proof import prove
 
 
@@ -43,6 +43,9 @@ class Rope(Pattern):
                 continue
             param, tables, calls = find_calls(info.forward)
             if not calls:
+                continue
+            if (test := condition(info.forward)) is not None:
+                yield Refusal(NAME, n, WHAT, _conditional(test))
                 continue
             if attention.eager is not None:
                 # the copy rewrites such a class's attention core by finding its
@@ -121,3 +124,10 @@ class Rope(Pattern):
         if len(args) != len(call.args):  # the commas of the rest, black re-lays them
             args = [a.with_changes(comma=cst.MaybeSentinel.DEFAULT) for a in args]
         return with_keyword(call.with_changes(args=args), "positions", "positions")
+
+
+def _conditional(test: str) -> str:
+    return (
+        f"the rope is applied only `if {test}` (a layer or config without rope hands "
+        "no tables), which vLLM's rope built in `__init__` would not follow"
+    )

@@ -83,6 +83,23 @@ def find_calls(forward: cst.FunctionDef) -> tuple[str, tuple[str, str], list[cst
     return "", ("", ""), []
 
 
+def condition(forward: cst.FunctionDef) -> str | None:
+    """The test of the tables an `if` unpacks them under (`if position_embeddings is
+    not None:`: a NoPE layer or config hands none), or None.
+    vLLM's rope built in `__init__` would rotate where the source does not."""
+    param, _, calls = find_calls(forward)
+    if not calls:
+        return None
+    for node in m.findall(forward.body, m.If()):
+        # a test of the tables themselves: the caller decides (a layer's own flag,
+        # `if self.use_rope:`, is the layer's, and stays around vLLM's rope)
+        if m.findall(node.body, m.Assign(value=m.Name(param))) and m.findall(
+            node.test, m.Name(param)
+        ):
+            return code(node.test)
+    return None
+
+
 def require_unread_after(forward: cst.FunctionDef, call: cst.Call) -> None:
     """vLLM's rope rotates q and k in place: the source must not read the tensors it
     handed its function after the call, except as the names the call rebinds."""
