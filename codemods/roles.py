@@ -295,11 +295,48 @@ def _scope_checks(layer_list, attention_like: set[str], state_mixers: set[str]) 
             )
 
 
+def appended_layers(base: ClassInfo, value: cst.BaseExpression) -> cst.ListComp | None:
+    """`nn.ModuleList(layers)` over `layers = []` and `for i in range(n):
+    layers.append(Layer(...))` (Bamba), read as the comprehension it is."""
+    if not m.matches(value, m.Call(args=[m.Arg(m.Name(), keyword=None)])):
+        return None
+    name = value.args[0].value.value
+    for loop in m.findall(base.init, layer_loop(name)):
+        call = loop.body.body[0].body[0].value.args[0].value
+        return cst.ListComp(call, cst.CompFor(target=loop.target, iter=loop.iter))
+    return None
+
+
+def layer_loop(name: str) -> m.For:
+    """`for <i> in <...>: <name>.append(<call>)`, one statement."""
+    return m.For(
+        body=m.IndentedBlock(
+            [
+                m.SimpleStatementLine(
+                    [
+                        m.Expr(
+                            m.Call(
+                                func=m.Attribute(
+                                    value=m.Name(name), attr=m.Name("append")
+                                ),
+                                args=[m.Arg(m.Call(), keyword=None)],
+                            )
+                        )
+                    ]
+                )
+            ]
+        ),
+        orelse=None,
+    )
+
+
 def _layers_comprehension(base: ClassInfo, layers_attr: str) -> cst.ListComp:
     """`nn.ModuleList([Layer(...) for i in range(n)])`, the shape vLLM's `make_layers`
     takes (a hybrid (Mamba) model says so here, after the scope checks)."""
     value = base.attrs.get(layers_attr)
     comp = m.findall(value, m.ListComp()) if value is not None else []
+    if not comp and value is not None:
+        comp = [c for c in [appended_layers(base, value)] if c is not None]
     if not comp or not isinstance(comp[0].elt, cst.Call):
         raise CodemodError(
             f"cannot generate: {base.name}.{layers_attr} is not built as `nn.ModuleList([Layer(...) for i in range(n)])`"

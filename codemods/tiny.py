@@ -139,6 +139,10 @@ def feature_values(config_cls) -> dict[str, object]:
             values[name] = 1  # shared experts on
         elif name == "layer_types":
             values[name] = list(LAYER_PATTERN)
+        elif name.endswith("_layer_indices") and default is None:
+            # the layers of a second kind (Bamba's attention among Mamba layers), placed
+            # as `mixed_layer_types` places them: [first, second, second, first]
+            values[name] = [1, 2]
     return values
 
 

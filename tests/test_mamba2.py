@@ -331,3 +331,18 @@ def test_a_mixer_whose_proof_fails_is_refused_with_the_proofs_reason(tmp_path):
         _generated(str(path))
     assert "GraniteMoeHybridMambaLayer keeps state" in str(err.value)
     assert reason in str(err.value)
+
+
+def test_bamba_layers_appended_in_a_loop_are_vllms_make_layers():
+    """Bamba builds its layers with `for i in range(n): layers.append(Layer(...))` and
+    places its attention layers by `attn_layer_indices`: read as the comprehension it
+    is, each layer told its own type."""
+    plan, text = _generated("modeling_bamba.py")
+    assert [r.target for r in plan.records if r.pattern == "mamba2"] == ["mamba"]
+    assert "decoder_layers" not in text
+    assert re.search(
+        r"make_layers\(\s*config\.num_hidden_layers,\s*lambda prefix: BambaDecoderLayer\("
+        r"\s*config,\s*layer_idx=extract_layer_index\(prefix\),\s*"
+        r"layer_type=config\.layers_block_type\[extract_layer_index\(prefix\)\],",
+        text,
+    )

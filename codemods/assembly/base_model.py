@@ -16,7 +16,7 @@ from ..copying.definitions import strip_decorators
 from ..copying.inference import inference_folded
 from ..copying.positions import refuse_if_still_used
 from ..errors import CodemodError
-from ..roles import Roles
+from ..roles import Roles, layer_loop
 from .base_forward import base_forward
 from .ranks import KEEP_EVERY_RANK, _flatten, _rank_guard
 
@@ -78,6 +78,8 @@ def _helper_methods(info: ClassInfo, forward_text: str) -> list[cst.FunctionDef]
 
 
 def _base_init_statement(stmt, roles: Roles, ctx: Context, rewriter) -> list[str]:
+    if _builds_layer_list(stmt, roles):
+        return []  # vLLM's `make_layers` builds them (`_make_layers`)
     if m.matches(
         stmt,
         m.SimpleStatementLine(
@@ -182,3 +184,18 @@ def _make_layers(roles: Roles, attr: str) -> list[str]:
         f'    prefix=f"{{prefix}}.{attr}",',
         ")",
     ]
+
+
+def _builds_layer_list(stmt, roles: Roles) -> bool:
+    """`layers = []` or `for i in range(n): layers.append(Layer(...))`, where the
+    decoder layers are `nn.ModuleList(layers)`."""
+    value = roles.base.attrs.get(roles.layers_attr)
+    if not m.matches(value, m.Call(args=[m.Arg(m.Name(), keyword=None)])):
+        return False
+    name = value.args[0].value.value
+    return m.matches(stmt, layer_loop(name)) or m.matches(
+        stmt,
+        m.SimpleStatementLine(
+            [m.Assign(targets=[m.AssignTarget(m.Name(name))], value=m.List([]))]
+        ),
+    )
