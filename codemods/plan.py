@@ -24,6 +24,9 @@ class Plan:
     unfused: list = field(default_factory=list)
     # environment vLLM must run the file with (a model type vLLM treats as MLA)
     environment: dict[str, str] = field(default_factory=dict)
+    # vLLM's per-architecture config setup the file is registered with (an
+    # attention-free state model: `MambaModelConfig` sizes its state blocks)
+    vllm_config: str = ""
 
     @property
     def layout(self) -> str:

@@ -22,7 +22,12 @@ import libcst.matchers as m
 
 from fusion_patterns.base import ClassInfo, code
 
-from .attention_calls import AttentionCall, eager_functions, interface_call, interface_name
+from .attention_calls import (
+    AttentionCall,
+    eager_functions,
+    interface_call,
+    interface_name,
+)
 from .errors import CodemodError
 
 PROBE_TOKENS = 40  # past the tiny windows (8) and the shrunk lengths (32), so both show in the masks
@@ -335,12 +340,16 @@ def _attends(source) -> bool:
             code(a.name).startswith("AutoModel") for a in names
         ):
             return True
+    from fusion_patterns.registry import PATTERNS
+
     return any(
         info.forward is not None
         # any interface lookup counts: DiffLlama calls it twice (a refusal by roles,
         # not a mixer out of scope)
         and (interface_name(info.forward) or eager_attention.find(info))
         for info in source.classes.values()
+    ) or any(  # a mixer a pattern maps onto vLLM's state cache (Mamba 2)
+        p.maps_state(info) for info in source.classes.values() for p in PATTERNS
     )
 
 

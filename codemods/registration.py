@@ -29,6 +29,11 @@ def register_external(
         "    from vllm import ModelRegistry\n\n"
         f"    if {arch!r} not in ModelRegistry.get_supported_archs():\n"
         f"        ModelRegistry.register_model({arch!r}, {f'{module}:{causal_name}'!r})\n"
+        + (
+            "    from generated import set_up\n\n" f"    set_up({arch!r}, {setup!r})\n"
+            if (setup := vllm_config_of(generated_file))
+            else ""
+        )
     )
     dist_info = workdir / f"{module}_plugin-0.0.dist-info"
     dist_info.mkdir(exist_ok=True)
@@ -46,3 +51,11 @@ def register_external(
     # this process may have run its plugins already
     importlib.import_module(f"{module}_plugin").register()
     return arch, module
+
+
+def vllm_config_of(generated_file: Path) -> str:
+    """The vLLM config class a generated file's header says it is set up with."""
+    from generated import CONFIG_LINE
+
+    found = CONFIG_LINE.search(generated_file.read_text()[:8192])
+    return found.group(1) if found else ""

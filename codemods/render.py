@@ -41,6 +41,11 @@ def header(plan: Plan) -> str:
             f"# environment:   {k}={v} (vLLM must run it so; the model refuses to start otherwise)"
             for k, v in sorted(plan.environment.items())
         ),
+        *(
+            [f"# vllm config:   {plan.vllm_config} (the setup vLLM gives such a model)"]
+            if plan.vllm_config
+            else []
+        ),
         rule,
         "# Fusion report:",
         *(f"#   {line}" for line in plan.report()),

@@ -80,6 +80,9 @@ NOT_FEATURES = {
     "is_encoder_decoder",
     "tie_encoder_decoder",
     "cross_attention_hidden_size",
+    # how weights are initialised, not what the model computes (and transformers 5.19
+    # applies Mamba 2's to weights it has just loaded: its own reference drifts)
+    "rescale_prenorm_residual",
 }
 LAYER_PATTERN = (
     "full_attention",
@@ -250,6 +253,19 @@ def variants(config_cls, values: dict):
     if "head_dim" in values:
         # a head size the source's own defaults assume (rope sections sized for 128)
         fixes.append(lambda v: v.update(head_dim=128))
+    names = own_fields(config_cls)
+    if {"num_heads", "expand", "state_size"} <= set(names) and "hidden_size" in values:
+        # a Mamba-2 mixer's heads span its expanded width (Mamba 2 validates it); a
+        # small state, one group, an SSD chunk shorter than the verification prompts
+        expand = names["expand"][1]
+        fixes.append(
+            lambda v: v.update(
+                num_heads=v["hidden_size"] * expand // v.get("head_dim", HEAD_DIM),
+                state_size=16,
+                n_groups=1,
+                chunk_size=16,
+            )
+        )
     smaller = _smaller_defaults(config_cls, values)
     if smaller:
         # counts the class's validators hold to its defaults (ZAYA: top-1 routing only)

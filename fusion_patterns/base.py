@@ -263,6 +263,8 @@ class Pattern:
     # why the linears a CLASS claim builds whole on every rank are as vLLM's own file
     # holds them (empty: such a linear is reported as a slow path under TP)
     whole_on_ranks = ""
+    # its CONSTRUCTION is a vLLM layer keyed by its module path: builders take `prefix`
+    keyed_by_prefix = False
 
     def claim(self, model) -> Iterable[Claim | Refusal]:
         raise NotImplementedError
@@ -302,8 +304,9 @@ class Pattern:
         (its claim proves it or says why not)."""
         return False
 
-    def causal_lm(self, claim: Claim) -> "CausalHook | None":
-        """vLLM interfaces the causal LM declares, and the methods they ask for."""
+    def causal_lm(self, claim: Claim, attends: bool) -> "CausalHook | None":
+        """vLLM interfaces the causal LM declares, and the methods they ask for
+        (`attends`: some layer of the model attends)."""
         return None
 
 
@@ -328,6 +331,9 @@ class CausalHook:
 
     interfaces: tuple[str, ...]
     methods: str
+    # a class of vLLM's `models/config.py` the architecture is set up with, as vLLM
+    # does for its own (`MambaModelConfig` for a model with no attention)
+    vllm_config: str = ""
 
 
 @dataclass(frozen=True)

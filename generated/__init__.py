@@ -14,19 +14,39 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ARCH_LINE = re.compile(r"^# architecture:\s+(\w+) -> (\w+)$", re.MULTILINE)
+# a class of vLLM's models/config.py vLLM sets such an architecture up with
+CONFIG_LINE = re.compile(r"^# vllm config:\s+(\w+)", re.MULTILINE)
 
 
 def architectures() -> dict[str, str]:
     """{registered architecture: "generated.<module>:<class>"} read from the file headers."""
+    return {arch: target for arch, (target, _) in _headers().items()}
+
+
+def _headers() -> dict[str, tuple[str, str]]:
+    """{architecture: (its target, the vLLM config class it is set up with or "")}."""
     out = {}
     for path in sorted(HERE.glob("*.py")):
         if path.name.startswith("_"):
             continue
         with path.open(encoding="utf-8") as f:
-            head = f.read(4096)
+            head = f.read(8192)
         if found := ARCH_LINE.search(head):
-            out[found.group(1)] = f"{__name__}.{path.stem}:{found.group(2)}"
+            setup = CONFIG_LINE.search(head)
+            out[found.group(1)] = (
+                f"{__name__}.{path.stem}:{found.group(2)}",
+                setup.group(1) if setup else "",
+            )
     return out
+
+
+def set_up(arch: str, config_class: str) -> None:
+    """vLLM sets its own architectures up by name (`MODELS_CONFIG_MAP`): a generated
+    one that needs the same setup (a model without attention: its state blocks sized
+    by `MambaModelConfig`) is entered under its own name."""
+    from vllm.model_executor.models import config
+
+    config.MODELS_CONFIG_MAP.setdefault(arch, getattr(config, config_class))
 
 
 # Set to 1 to run vLLM's CPU build as on a CPU without AMX tiles. On one with them,
@@ -45,6 +65,8 @@ def register() -> None:
         torch.cpu._is_amx_tile_supported = lambda: False
 
     supported = set(ModelRegistry.get_supported_archs())
-    for arch, target in architectures().items():
+    for arch, (target, setup) in _headers().items():
         if arch not in supported:  # idempotent: the plugin may run more than once
             ModelRegistry.register_model(arch, target)
+        if setup:
+            set_up(arch, setup)

@@ -58,6 +58,13 @@ def test_granite_4_hybrid_over_two_pipeline_stages():
     assert out["ok"] and out["impl"] == IMPL and out["pp"] == 2, out
 
 
+def test_mamba_2_without_attention():
+    """No attention at all: vLLM's attention-free frame, the state cache alone."""
+    out = verify_json("mamba2")
+    assert out["ok"] and out["impl"] == "generated.mamba2:Mamba2ForCausalLM", out
+    assert out["tokens_equal"] and out["max_abs_logprob_diff"] <= 1e-4
+
+
 def test_a_per_layer_theta_with_nope_layers():
     """Granite SWA: each layer's theta, 0 for no rope at all."""
     out = verify_json(

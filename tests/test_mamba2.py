@@ -346,3 +346,31 @@ def test_bamba_layers_appended_in_a_loop_are_vllms_make_layers():
         r"layer_type=config\.layers_block_type\[extract_layer_index\(prefix\)\],",
         text,
     )
+
+
+def test_mamba_2_alone_is_an_attention_free_model_set_up_as_vllm_sets_up_its_own():
+    """Mamba 2 has no attention: the causal LM is IsAttentionFree (no KV cache), and
+    the plugin enters the architecture in vLLM's per-architecture setup as vLLM's own
+    Mamba2ForCausalLM is (MambaModelConfig sizes the state blocks)."""
+    from vllm.model_executor.models import config as vllm_config
+
+    import generated
+
+    plan, text = _generated("modeling_mamba2.py")
+    assert plan.vllm_config == "MambaModelConfig"
+    assert re.search(
+        r"class Mamba2ForCausalLM\(\s*nn\.Module, HasInnerState, IsAttentionFree,", text
+    )
+    assert "IsHybrid" not in text
+    # torch's load_state_dict hook (old checkpoint names) is not vLLM's loader's
+    assert "_register_load_state_dict_pre_hook" not in text
+    assert "# vllm config:   MambaModelConfig" in text
+    target, setup = generated._headers()["GeneratedMamba2ForCausalLM"]
+    assert (target, setup) == ("generated.mamba2:Mamba2ForCausalLM", "MambaModelConfig")
+    generated.set_up("GeneratedMamba2ForCausalLM", setup)
+    assert (
+        vllm_config.MODELS_CONFIG_MAP["GeneratedMamba2ForCausalLM"]
+        is vllm_config.MambaModelConfig
+    )
+    # a file beside attention gets no such entry
+    assert generated._headers()["GeneratedBambaForCausalLM"][1] == ""

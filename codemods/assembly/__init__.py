@@ -236,12 +236,14 @@ def _loading(model: Model, plan: Plan) -> Loading:
     )
     loading = Loading(mapper, methods, stacked=weights_arg == "stacked")
     for claim in model.claims:
-        if (causal := claim.pattern.causal_lm(claim)) is not None:
+        attends = bool(model.roles.attention)
+        if (causal := claim.pattern.causal_lm(claim, attends)) is not None:
             loading.interfaces += tuple(
                 i for i in causal.interfaces if i not in loading.interfaces
             )
             if causal.methods not in loading.methods:
                 loading.methods += causal.methods
+            plan.vllm_config = causal.vllm_config or plan.vllm_config
         hook = claim.pattern.loader(claim)
         if hook is None or hook.methods in loading.methods:
             continue

@@ -77,9 +77,28 @@ def _helper_methods(info: ClassInfo, forward_text: str) -> list[cst.FunctionDef]
     ]
 
 
+# `self._register_load_state_dict_pre_hook(self.load_hook)` (Mamba 2's old names)
+STATE_DICT_HOOK = m.SimpleStatementLine(
+    [
+        m.Expr(
+            m.Call(
+                func=m.Attribute(
+                    value=m.Name("self"),
+                    attr=m.Name(
+                        m.MatchRegex(r"_register_(load_)?state_dict_(pre_)?hook")
+                    ),
+                )
+            )
+        )
+    ]
+)
+
+
 def _base_init_statement(stmt, roles: Roles, ctx: Context, rewriter) -> list[str]:
     if _builds_layer_list(stmt, roles):
         return []  # vLLM's `make_layers` builds them (`_make_layers`)
+    if m.matches(stmt, STATE_DICT_HOOK):
+        return []  # torch's `load_state_dict` hooks: vLLM's loader never calls them
     if m.matches(
         stmt,
         m.SimpleStatementLine(

@@ -73,7 +73,14 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vllm.model_executor.models.gpt_oss", ("GptOssRoutedExperts",)),
     (
         "vllm.model_executor.models.interfaces",
-        ("HasInnerState", "IsHybrid", "SupportsLoRA", "SupportsPP", "SupportsQuant"),
+        (
+            "HasInnerState",
+            "IsAttentionFree",
+            "IsHybrid",
+            "SupportsLoRA",
+            "SupportsPP",
+            "SupportsQuant",
+        ),
     ),
     (
         "vllm.model_executor.models.transformers.moe",

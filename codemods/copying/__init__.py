@@ -70,11 +70,18 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
         if n not in constructions and not _is_pretrained_helper(n, model)
     ]
     rebased = {roles.vocab_class} if roles.vocab_class in classes else set()
+    # constructions that become a vLLM layer keyed by its path (a Mamba-2 mixer): their
+    # builders take `prefix`
+    keyed = {n for n, c in constructions.items() if c.pattern.keyed_by_prefix}
     ctx = Context(
         classes=classes,
         constructions=constructions,
         prefix_classes=prefix_classes(
-            classes, set(emitted), set(whole), roles.attention, roles.built
+            classes,
+            set(emitted) | keyed,
+            set(whole) | keyed,
+            roles.attention,
+            roles.built,
         )
         | rebased,
         attention={n: s for n, s in roles.attention.items() if n not in whole},

@@ -32,12 +32,11 @@ from .proof import prove
 
 __all__ = ["Mamba2", "NAME", "VLLM_CLASS", "WHAT", "Mamba2Spec", "match", "prove"]
 
-INTERFACES = ("HasInnerState", "IsHybrid")
-
 
 class Mamba2(Pattern):
     name = NAME
     rewrites_calls = True
+    keyed_by_prefix = True
 
     def maps_state(self, info: ClassInfo) -> bool:
         return match(info) is not None  # a near miss too: its refusal says why
@@ -92,8 +91,18 @@ class Mamba2(Pattern):
     def helpers(self, claim: Claim) -> str:
         return emit.SHARDED_BIAS + ("" if claim.spec.norm_grouped else emit.ONE_GROUP)
 
-    def causal_lm(self, claim: Claim) -> CausalHook:
-        return CausalHook(INTERFACES, emit.state_methods(claim.spec))
+    def causal_lm(self, claim: Claim, attends: bool) -> CausalHook:
+        # beside attention, vLLM aligns the state pages with the KV pages (IsHybrid);
+        # alone (Mamba 2), the model has no KV cache at all (IsAttentionFree)
+        if attends:
+            return CausalHook(
+                ("HasInnerState", "IsHybrid"), emit.state_methods(claim.spec)
+            )
+        return CausalHook(
+            ("HasInnerState", "IsAttentionFree"),
+            emit.state_methods(claim.spec),
+            vllm_config="MambaModelConfig",
+        )
 
 
 # the checkpoint holds A_log; MambaMixer2 holds A, its weight loader taking -exp(A_log)
