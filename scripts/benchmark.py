@@ -267,6 +267,11 @@ def read_generated_headers() -> dict[str, dict]:
             "environment": dict(
                 re.findall(r"^# environment:\s+(\w+)=(\S+)", head, re.MULTILINE)
             ),
+            # layers with a state cache (Mamba): vLLM 0.32's CPU chunked scan returns
+            # no per-block states, which prefix caching's "align" mode indexes
+            # (IndexError in vLLM's own class as in this one): every implementation
+            # runs without prefix caching
+            "state_cache": "HasInnerState" in text,
         }
     return dict(sorted(models.items()))
 
@@ -328,19 +333,20 @@ def build_checkpoint(causal_cls, sizes: dict, out_dir: str, seed: int, dtype) ->
     kwargs, skipped = config_sizes(config_cls, sizes)
     defaults = config_cls().to_dict()
     fit_latent_attention(kwargs, defaults)
-    config = config_cls(**kwargs)
-    layers = getattr(config, "num_hidden_layers", None)
-    types = getattr(config, "layer_types", None)
-    if isinstance(types, list) and layers and len(types) != layers:
-        # a class whose default layer pattern does not follow the layer count
-        kwargs["layer_types"] = (types * layers)[:layers]
-        config = config_cls(**kwargs)
     torch.manual_seed(seed)
     try:
+        config = config_cls(**kwargs)
+        layers = getattr(config, "num_hidden_layers", None)
+        types = getattr(config, "layer_types", None)
+        if isinstance(types, list) and layers and len(types) != layers:
+            # a class whose default layer pattern does not follow the layer count
+            kwargs["layer_types"] = (types * layers)[:layers]
+            config = config_cls(**kwargs)
         model = causal_cls(config).eval()
     except Exception:  # noqa: BLE001 - a default the source cannot build with
-        # the tiny rules' fallbacks for it (DBRX's sub-configs without a rope theta),
-        # on these sizes and the defaults' sub-configs
+        # the tiny rules' fallbacks for it (DBRX's sub-configs without a rope theta,
+        # Mamba 2's heads validated against its width), on these sizes and the
+        # defaults' sub-configs
         model, kwargs, config = _first_that_builds(causal_cls, kwargs, defaults)
     config.architectures = [causal_cls.__name__]
     params = sum(p.numel() for p in model.parameters())
@@ -600,6 +606,8 @@ def run_job(job: dict) -> dict:
         "seed": job["seed"],
         "enforce_eager": settings["eager"],
     }
+    if model.get("state_cache") and not torch.cuda.is_available():
+        kwargs["enable_prefix_caching"] = False
     if impl == "generated":
         kwargs["hf_overrides"] = {"architectures": [model["generated_arch"]]}
         # this run's own process: the others run as vLLM would by default
