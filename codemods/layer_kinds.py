@@ -320,7 +320,7 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
 
     from transformers import PreTrainedModel
 
-    from fusion_patterns.registry import PATTERNS
+    from fusion_patterns.registry import state_patterns
 
     from .errors import CodemodError
 
@@ -338,7 +338,7 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
                 f"cannot generate: {kind}, inside the attention, keeps its own state "
                 f"in the cache ({why}): a sparse selection vLLM's Attention cannot take"
             )
-        if why and any(p.maps_state(classes[kind]) for p in PATTERNS):
+        if why and state_patterns(classes[kind]):
             continue  # its pattern's claim proves it, or says why not
         if why:
             raise CodemodError(
@@ -369,7 +369,7 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
 def refuse_unclaimed_state(found: Cover | None, model) -> None:
     """A kind that keeps state, left to the claims by `refuse_unservable` because a
     pattern maps it, and not claimed: the copy would keep transformers' cache."""
-    from fusion_patterns.registry import PATTERNS
+    from fusion_patterns.registry import state_patterns
 
     from .errors import CodemodError
 
@@ -377,7 +377,7 @@ def refuse_unclaimed_state(found: Cover | None, model) -> None:
         info = model.classes.get(kind)
         if info is None or model.claimed_whole(kind) or not branches.kept_state(info):
             continue
-        mapping = {p.name for p in PATTERNS if p.maps_state(info)}
+        mapping = state_patterns(info)
         if not mapping:
             continue  # the causal LM and the base model: their forward is vLLM's
         why = next(

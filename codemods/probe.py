@@ -340,7 +340,7 @@ def _attends(source) -> bool:
             code(a.name).startswith("AutoModel") for a in names
         ):
             return True
-    from fusion_patterns.registry import PATTERNS
+    from fusion_patterns.registry import state_patterns
 
     return any(
         info.forward is not None
@@ -349,7 +349,7 @@ def _attends(source) -> bool:
         and (interface_name(info.forward) or eager_attention.find(info))
         for info in source.classes.values()
     ) or any(  # a mixer a pattern maps onto vLLM's state cache (Mamba 2)
-        p.maps_state(info) for info in source.classes.values() for p in PATTERNS
+        state_patterns(info) for info in source.classes.values()
     )
 
 

@@ -260,9 +260,9 @@ def _reachable(start: str, classes: dict[str, ClassInfo]) -> list[str]:
 def _state_mixers(classes: dict[str, ClassInfo], wanted: list[str]) -> set[str]:
     """Classes a pattern would map onto a vLLM layer with a state cache (a Mamba-2
     mixer): a mixer, as attention is; its claim proves it or the file is refused."""
-    from fusion_patterns.registry import PATTERNS
+    from fusion_patterns.registry import state_patterns
 
-    return {n for n in wanted if any(p.maps_state(classes[n]) for p in PATTERNS)}
+    return {n for n in wanted if state_patterns(classes[n])}
 
 
 def _scope_checks(layer_list, attention_like: set[str], state_mixers: set[str]) -> None:
@@ -295,12 +295,19 @@ def _scope_checks(layer_list, attention_like: set[str], state_mixers: set[str]) 
             )
 
 
+def layer_list_name(value: cst.BaseExpression | None) -> str | None:
+    """`layers` of `nn.ModuleList(layers)`: decoder layers built into a list first."""
+    if not m.matches(value, m.Call(args=[m.Arg(m.Name(), keyword=None)])):
+        return None
+    return value.args[0].value.value
+
+
 def appended_layers(base: ClassInfo, value: cst.BaseExpression) -> cst.ListComp | None:
     """`nn.ModuleList(layers)` over `layers = []` and `for i in range(n):
     layers.append(Layer(...))` (Bamba), read as the comprehension it is."""
-    if not m.matches(value, m.Call(args=[m.Arg(m.Name(), keyword=None)])):
+    name = layer_list_name(value)
+    if name is None:
         return None
-    name = value.args[0].value.value
     for loop in m.findall(base.init, layer_loop(name)):
         call = loop.body.body[0].body[0].value.args[0].value
         return cst.ListComp(call, cst.CompFor(target=loop.target, iter=loop.iter))

@@ -261,9 +261,9 @@ def variants(config_cls, values: dict):
         fixes.append(
             lambda v: v.update(
                 num_heads=v["hidden_size"] * expand // v.get("head_dim", HEAD_DIM),
-                state_size=16,
+                state_size=SIZES["mamba_d_state"],
                 n_groups=1,
-                chunk_size=16,
+                chunk_size=SIZES["mamba_chunk_size"],
             )
         )
     smaller = _smaller_defaults(config_cls, values)

@@ -294,9 +294,9 @@ class Pattern:
         """A transform of the checkpoint's tensors before the loader reads them."""
         return None
 
-    def helpers(self, claim: Claim) -> str:
-        """Module-level functions what the claim emitted calls."""
-        return ""
+    def helpers(self, claim: Claim) -> tuple[str, ...]:
+        """Module-level functions what the claim emitted calls, one text each."""
+        return ()
 
     def maps_state(self, info: ClassInfo) -> bool:
         """The class keeps state across decode steps besides the KV cache, and this

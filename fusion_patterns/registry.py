@@ -34,3 +34,10 @@ PATTERNS = (
     CachePositions(),
     ResidualFold(),
 )
+
+
+def state_patterns(info) -> set[str]:
+    """Names of the patterns that would map `info`, a class keeping state across decode
+    steps, onto a vLLM layer with a state cache (their claims prove it or say why not).
+    """
+    return {p.name for p in PATTERNS if p.maps_state(info)}

@@ -198,7 +198,7 @@ def _helpers(ctx, pieces: dict[str, str], claims) -> str:
         helper += CONV1D_HELPER
     if any("shard_head_rows(" in text for text in pieces.values()):
         helper += head_rows.HELPER
-    for text in dict.fromkeys(c.pattern.helpers(c) for c in claims):
+    for text in dict.fromkeys(t for c in claims for t in c.pattern.helpers(c)):
         helper += text
     return helper
 
@@ -235,8 +235,8 @@ def _loading(model: Model, plan: Plan) -> Loading:
         renames, stacking, plan.stacked_params(), fused
     )
     loading = Loading(mapper, methods, stacked=weights_arg == "stacked")
+    attends = bool(model.roles.attention)
     for claim in model.claims:
-        attends = bool(model.roles.attention)
         if (causal := claim.pattern.causal_lm(claim, attends)) is not None:
             loading.interfaces += tuple(
                 i for i in causal.interfaces if i not in loading.interfaces

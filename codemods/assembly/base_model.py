@@ -16,7 +16,7 @@ from ..copying.definitions import strip_decorators
 from ..copying.inference import inference_folded
 from ..copying.positions import refuse_if_still_used
 from ..errors import CodemodError
-from ..roles import Roles, layer_loop
+from ..roles import Roles, layer_list_name, layer_loop
 from .base_forward import base_forward
 from .ranks import KEEP_EVERY_RANK, _flatten, _rank_guard
 
@@ -208,10 +208,9 @@ def _make_layers(roles: Roles, attr: str) -> list[str]:
 def _builds_layer_list(stmt, roles: Roles) -> bool:
     """`layers = []` or `for i in range(n): layers.append(Layer(...))`, where the
     decoder layers are `nn.ModuleList(layers)`."""
-    value = roles.base.attrs.get(roles.layers_attr)
-    if not m.matches(value, m.Call(args=[m.Arg(m.Name(), keyword=None)])):
+    name = layer_list_name(roles.base.attrs.get(roles.layers_attr))
+    if name is None:
         return False
-    name = value.args[0].value.value
     return m.matches(stmt, layer_loop(name)) or m.matches(
         stmt,
         m.SimpleStatementLine(

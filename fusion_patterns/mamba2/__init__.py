@@ -72,8 +72,7 @@ class Mamba2(Pattern):
             )
 
     def construction(self, claim: Claim, call: cst.Call, path: str | None) -> str:
-        where = f'f"{{prefix}}.{path}"' if path else 'f"{prefix}.mixer"'
-        return emit.construction(claim.spec, call, where)
+        return emit.construction(claim.spec, call, path or "mixer")
 
     def call_site(self, claim: Claim, call: cst.Call) -> cst.BaseExpression:
         # vLLM's mixer takes one row per token; the copied layers hold [1, tokens, hidden]
@@ -88,20 +87,18 @@ class Mamba2(Pattern):
             NEGATED_A.format(ends=ends), weights="self._mamba2_a({weights})"
         )
 
-    def helpers(self, claim: Claim) -> str:
-        return emit.SHARDED_BIAS + ("" if claim.spec.norm_grouped else emit.ONE_GROUP)
+    def helpers(self, claim: Claim) -> tuple[str, ...]:
+        if claim.spec.norm_grouped:
+            return (emit.SHARDED_BIAS,)
+        return (emit.SHARDED_BIAS, emit.ONE_GROUP)
 
     def causal_lm(self, claim: Claim, attends: bool) -> CausalHook:
         # beside attention, vLLM aligns the state pages with the KV pages (IsHybrid);
         # alone (Mamba 2), the model has no KV cache at all (IsAttentionFree)
-        if attends:
-            return CausalHook(
-                ("HasInnerState", "IsHybrid"), emit.state_methods(claim.spec)
-            )
         return CausalHook(
-            ("HasInnerState", "IsAttentionFree"),
+            ("HasInnerState", "IsHybrid" if attends else "IsAttentionFree"),
             emit.state_methods(claim.spec),
-            vllm_config="MambaModelConfig",
+            vllm_config="" if attends else "MambaModelConfig",
         )
 
 

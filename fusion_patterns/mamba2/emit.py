@@ -36,10 +36,10 @@ ORDER = (
 
 
 def construction(
-    spec: Mamba2Spec, call: cst.Call | None = None, prefix: str = 'f"{prefix}.mixer"'
+    spec: Mamba2Spec, call: cst.Call | None = None, attr: str = "mixer"
 ) -> str:
-    """`MambaMixer2(...)`, its arguments the source's expressions over `config`, or,
-    given the source's construction `call`, over the caller's arguments."""
+    """`MambaMixer2(...)` built as `self.<attr>`, its arguments the source's expressions
+    over `config`, or, given the source's construction `call`, over the caller's."""
     bound = bind(spec.info, call) if call is not None else {}
     values = {k: code(resolve(spec.args[k], spec.info, bound)) for k in ORDER}
     if not spec.norm_grouped:
@@ -49,7 +49,7 @@ def construction(
         "model_config=get_current_vllm_config().model_config",
         "cache_config=get_current_vllm_config().cache_config",
         "quant_config=quant_config",
-        f"prefix={prefix}",
+        f'prefix=f"{{prefix}}.{attr}"',  # the state cache's key: the module's path
     ]
     return "with_sharded_bias(MambaMixer2(" + ", ".join(args) + "))"
 
