@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import functools
 import typing
 from pathlib import Path
 
@@ -114,6 +115,20 @@ def _is(annotation, kind) -> bool:
     return annotation is kind or kind in args
 
 
+def _is_list(annotation) -> bool:
+    return any(
+        typing.get_origin(a) is list for a in (annotation, *typing.get_args(annotation))
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _default(config_cls):
+    try:
+        return config_cls()
+    except Exception:  # noqa: BLE001 - a config that needs arguments: no lists read
+        return None
+
+
 def feature_values(config_cls) -> dict[str, object]:
     """The feature switches for `config_cls`, by rule over its own fields."""
     values: dict[str, object] = {}
@@ -132,6 +147,15 @@ def feature_values(config_cls) -> dict[str, object]:
             or name in ("logits_scaling", "logit_scale")
         ) and _is(annotation, float):
             values[name] = 0.6 if "multiplier" in name else 2.5
+        elif "multiplier" in name and _is_list(annotation):
+            # one multiplier per part of a projection (Falcon-H1's z, x, B, C, dt):
+            # each its own value, so a part scaled by another's cannot pass
+            n = len(getattr(_default(config_cls), name, None) or ())
+            values[name] = [round(0.6 + 0.15 * i, 2) for i in range(n)]
+        elif name.endswith("norm_before_gate") and default is True:
+            # vLLM's gated norms gate first, then normalise; the other order is proven
+            # different and refused by the generated file where a config sets it
+            values[name] = False
         elif name.startswith("clip_") and _is(annotation, float):
             values[name] = 0.3
         elif name in ("sliding_window", "window_size") and (

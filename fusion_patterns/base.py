@@ -298,6 +298,11 @@ class Pattern:
         """Module-level functions what the claim emitted calls, one text each."""
         return ()
 
+    def dropped_buffers(self, claim: Claim) -> set[str]:
+        """Buffers a copied `__init__` registers on the claimed modules that the
+        emitted code folds elsewhere: those registrations are not copied."""
+        return set()
+
     def maps_state(self, info: ClassInfo) -> bool:
         """The class keeps state across decode steps besides the KV cache, and this
         pattern would map it onto a vLLM layer that keeps it in vLLM's state cache

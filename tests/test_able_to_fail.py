@@ -283,6 +283,15 @@ MUTATIONS.append(
     )
 )
 
+MUTATIONS.append(
+    (
+        "falcon_h1",
+        "the mixer's per-part in-projection scales (mup vector) not folded",
+        "scale = rows[:, None] * config.ssm_in_multiplier",
+        "scale = config.ssm_in_multiplier",
+    )
+)
+
 BUG_CLASSES.append(
     (
         "falcon",

@@ -65,6 +65,16 @@ def test_mamba_2_without_attention():
     assert out["tokens_equal"] and out["max_abs_logprob_diff"] <= 1e-4
 
 
+def test_falcon_h1_over_two_ranks():
+    """Falcon-H1: the in-projection's per-part scales folded into its weight before it
+    is sharded, attention and the mixer side by side in each layer."""
+    out = verify_json("falcon_h1", "--tp", "2")
+    assert out["ok"] and out["impl"] == "generated.falcon_h1:FalconH1ForCausalLM", out
+    assert out["tp"] == 2 and out["tokens_equal"], out
+    assert "ssm_multipliers=[0.6, 0.75, 0.9, 1.05, 1.2]" in out["features"]
+    assert "mamba_rms_norm" in out["features"]
+
+
 def test_a_per_layer_theta_with_nope_layers():
     """Granite SWA: each layer's theta, 0 for no rope at all."""
     out = verify_json(

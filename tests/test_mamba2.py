@@ -47,6 +47,23 @@ CONFIGS = {
         dict(num_heads=4, head_dim=32, state_size=16, chunk_size=8, expand=2),
         "n_groups",
     ),
+    "falcon_h1": (
+        "FalconH1Config",
+        dict(
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_d_ssm=128,
+            mamba_d_state=16,
+            mamba_chunk_size=8,
+            mamba_rms_norm=True,
+            mamba_norm_before_gate=False,
+            ssm_in_multiplier=0.6,
+            ssm_multipliers=[0.6, 0.75, 0.9, 1.05, 1.2],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        "mamba_n_groups",
+    ),
     "zamba2": (
         "Zamba2Config",
         dict(
@@ -69,7 +86,7 @@ def _mixer(name: str, groups: int = 1, path=None, **extra):
     config = getattr(module, cfg_name, None) or getattr(
         importlib.import_module(f"transformers.models.{name}"), cfg_name
     )
-    config = config(**SMALL, **sizes, **{group_field: groups}, **extra)
+    config = config(**{**SMALL, **sizes, group_field: groups, **extra})
     cls = MIXERS[name]
     return source.classes[cls], getattr(module, cls)(config, layer_idx=0), config
 
@@ -374,3 +391,77 @@ def test_mamba_2_alone_is_an_attention_free_model_set_up_as_vllm_sets_up_its_own
     )
     # a file beside attention gets no such entry
     assert generated._headers()["GeneratedBambaForCausalLM"][1] == ""
+
+
+# --- Falcon-H1: the in-projection's scales, an optional norm, a flag vLLM lacks ------
+
+
+def _falcon_mixer(**extra):
+    from transformers.models.falcon_h1.modeling_falcon_h1 import compute_mup_vector
+
+    info, module, config = _mixer("falcon_h1", **extra)
+    # the owner registers the per-part scales on each mixer (FalconH1Model.__init__)
+    module.register_buffer("mup_vector", compute_mup_vector(config), persistent=False)
+    return info, module, config
+
+
+def test_falcon_h1_reads_its_scales_and_its_optional_norm():
+    spec = match(load("modeling_falcon_h1.py").classes[MIXERS["falcon_h1"]])
+    assert code(spec.in_scale) == "config.ssm_in_multiplier"
+    assert spec.out_scale == "mup_vector"  # registered by its owner, not __init__
+    assert code(spec.use_rms_norm) == "config.mamba_rms_norm"
+
+
+def test_falcon_h1_is_proven_with_its_scales_and_the_norm_order_it_cannot_take():
+    """Proven with the scales folded into the in-projection; each flag its __init__
+    reads flipped and proven again: the norm after the gate only where a norm is built
+    at all is what vLLM's mixer lacks."""
+    from dataclasses import replace
+
+    info, module, config = _falcon_mixer()
+    unproven = prove(match(info), module, config)
+    assert unproven == ((("mamba_norm_before_gate", True), ("mamba_rms_norm", True)),)
+    # without the output's per-part scales the two sides differ
+    with pytest.raises(PatternRefused, match="the mixer over the prompt"):
+        prove(replace(match(info), out_scale=None), module, config)
+    with pytest.raises(PatternRefused, match="the mixer over the prompt"):
+        prove(replace(match(info), in_scale=None), module, config)
+
+
+def test_falcon_h1_without_its_norm_is_the_gate_alone():
+    info, module, config = _falcon_mixer(mamba_rms_norm=False)
+    assert type(module.norm).__name__ == "Identity"
+    prove(match(info), module, config)
+
+
+@pytest.fixture(scope="module")
+def falcon_h1():
+    return _generated("modeling_falcon_h1.py")
+
+
+def test_falcon_h1_generated_folds_the_scales_and_guards_the_flag(falcon_h1):
+    _, text = falcon_h1
+    # the owner's registration on vLLM's mixer and the vector it registered: not copied
+    assert "register_buffer" not in text
+    assert "mup_vector = compute_mup_vector(config)" not in text
+    # folded into the checkpoint's in-projection before vLLM's loader shards it
+    assert "self._mamba2_scales(self._mamba2_a(weights))" in text
+    assert "compute_mup_vector(config)" in text
+    assert "use_rms_norm=config.mamba_rms_norm" in text
+    assert "proven_for(" in text
+    assert '{"mamba_norm_before_gate": True, "mamba_rms_norm": True}' in text
+
+
+def test_the_proven_for_guard_refuses_the_unproven_setting_in_one_line():
+    from types import SimpleNamespace
+
+    from fusion_patterns.mamba2.emit import PROVEN_FOR
+
+    space: dict = {"MambaMixer2": object}
+    exec(PROVEN_FOR, space)
+    unproven = ({"mamba_norm_before_gate": True, "mamba_rms_norm": True},)
+    fine = SimpleNamespace(mamba_norm_before_gate=True, mamba_rms_norm=False)
+    assert space["proven_for"](fine, unproven, "mixer") == "mixer"
+    bad = SimpleNamespace(mamba_norm_before_gate=True, mamba_rms_norm=True)
+    with pytest.raises(ValueError, match="^mamba_norm_before_gate=True, mamba_rms"):
+        space["proven_for"](bad, unproven, "mixer")

@@ -81,3 +81,14 @@ def test_a_count_the_class_validates_at_its_default_is_kept_at_it():
     with pytest.raises(Exception, match="num_experts_per_tok=1"):
         cls.config_class(**plain)
     assert tiny.working_values(cls)["num_experts_per_tok"] == 1
+
+
+def test_a_list_of_multipliers_gets_a_value_per_part():
+    """Falcon-H1 scales each part of its mixer's in-projection by its own multiplier:
+    all 1.0 by default, which would let a part scaled by another's pass."""
+    from transformers import FalconH1Config
+
+    values = tiny.feature_values(FalconH1Config)
+    assert values["ssm_multipliers"] == [0.6, 0.75, 0.9, 1.05, 1.2]
+    assert values["mlp_multipliers"] == [0.6, 0.75]
+    assert values["mamba_norm_before_gate"] is False  # the order vLLM's norm takes

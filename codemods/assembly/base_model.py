@@ -30,7 +30,8 @@ def emit_base(roles: Roles, ctx: Context, claims: list) -> str:
         "self.config = config",
     ]
     rewriter = _InitRewrite(info, ctx)
-    for stmt in info.init_statements():
+    dropped = set().union(*(c.pattern.dropped_buffers(c) for c in claims))
+    for stmt in _without_folded(info.init_statements(), dropped):
         body += _base_init_statement(stmt, roles, ctx, rewriter)
     forward, carried = base_forward(roles, ctx, claims)
     # the base model's own position count (TrOCR's decoder hands its embedding one)
@@ -75,6 +76,44 @@ def _helper_methods(info: ClassInfo, forward_text: str) -> list[cst.FunctionDef]
     return [
         inference_folded(strip_decorators(methods[n])) for n in methods if n in wanted
     ]
+
+
+def _without_folded(statements: list, buffers: set[str]) -> list:
+    """The statements without those registering buffers a pattern folded elsewhere,
+    and without the local values only those read (`mup = compute(config)`)."""
+    if not buffers:
+        return statements
+    kept = [s for s in statements if not _registers_only(s, buffers)]
+    if len(kept) == len(statements):
+        return statements
+    out = []
+    for i, stmt in enumerate(kept):
+        local = m.SimpleStatementLine([m.Assign(targets=[m.AssignTarget(m.Name())])])
+        if m.matches(stmt, local):
+            name = stmt.body[0].targets[0].target.value
+            later = kept[i + 1 :]
+            if not any(m.findall(s, m.Name(name)) for s in later):
+                continue  # read only by what was dropped
+        out.append(stmt)
+    return out
+
+
+def _registers_only(stmt: cst.CSTNode, buffers: set[str]) -> bool:
+    """The statement (a loop over the layers, say) does nothing but register buffers
+    named in `buffers` on submodules."""
+    if not buffers:
+        return False
+    if isinstance(stmt, (cst.For, cst.If)) and stmt.orelse is None:
+        return all(_registers_only(s, buffers) for s in stmt.body.body)
+    register = m.Call(
+        func=m.Attribute(attr=m.Name("register_buffer")),
+        args=[m.Arg(m.SimpleString()), m.ZeroOrMore()],
+    )
+    return (
+        isinstance(stmt, cst.SimpleStatementLine)
+        and all(m.matches(s, m.Expr(register)) for s in stmt.body)
+        and all(s.value.args[0].value.evaluated_value in buffers for s in stmt.body)
+    )
 
 
 # `self._register_load_state_dict_pre_hook(self.load_hook)` (Mamba 2's old names)

@@ -10,6 +10,8 @@ takes vLLM's one row per token.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import libcst as cst
 import libcst.matchers as m
 
@@ -26,6 +28,7 @@ from ..base import (
     code,
     refused_by,
 )
+from ..moe.match import resolve
 from . import emit
 from .match import NAME, VLLM_CLASS, WHAT, Mamba2Spec, match
 from .proof import prove
@@ -53,7 +56,8 @@ class Mamba2(Pattern):
                 inst = model.first(n)
                 if inst is None:
                     raise PatternRefused("the tiny model never builds it")
-                prove(spec, inst, model.config)
+                spec = replace(spec, out_scale_value=_out_scale_value(spec, model))
+                spec = replace(spec, unproven=prove(spec, inst, model.config))
                 sites = _call_sites(model, n)
                 if not sites:
                     raise PatternRefused("no copied module calls it")
@@ -71,6 +75,10 @@ class Mamba2(Pattern):
                 records=[_record(spec, scope) for scope in scopes],
             )
 
+    def dropped_buffers(self, claim: Claim) -> set[str]:
+        # the output scale's buffer is folded into the in-projection's weight at load
+        return {claim.spec.out_scale} if claim.spec.out_scale else set()
+
     def construction(self, claim: Claim, call: cst.Call, path: str | None) -> str:
         return emit.construction(claim.spec, call, path or "mixer")
 
@@ -82,15 +90,22 @@ class Mamba2(Pattern):
         )
 
     def loader(self, claim: Claim) -> LoaderHook:
-        ends = tuple(sorted({f".{r.scope}.A_log" for r in claim.records}))
-        return LoaderHook(
-            NEGATED_A.format(ends=ends), weights="self._mamba2_a({weights})"
-        )
+        scopes = sorted({r.scope for r in claim.records})
+        ends = tuple(f".{s}.A_log" for s in scopes)
+        methods, weights = NEGATED_A.format(ends=ends), "self._mamba2_a({weights})"
+        folded = emit.folded_scales(claim.spec, scopes)
+        if folded:
+            methods += folded
+            weights = f"self._mamba2_scales({weights})"
+        return LoaderHook(methods, weights=weights)
 
     def helpers(self, claim: Claim) -> tuple[str, ...]:
-        if claim.spec.norm_grouped:
-            return (emit.SHARDED_BIAS,)
-        return (emit.SHARDED_BIAS, emit.ONE_GROUP)
+        spec = claim.spec
+        return (
+            (emit.SHARDED_BIAS,)
+            + (() if spec.norm_grouped else (emit.ONE_GROUP,))
+            + ((emit.PROVEN_FOR,) if spec.unproven else ())
+        )
 
     def causal_lm(self, claim: Claim, attends: bool) -> CausalHook:
         # beside attention, vLLM aligns the state pages with the KV pages (IsHybrid);
@@ -123,6 +138,53 @@ def _record(spec: Mamba2Spec, scope: str) -> FusionRecord:
         scope=scope,
         detail="conv and SSM states in vLLM's state cache",
     )
+
+
+def _out_scale_value(spec: Mamba2Spec, model) -> str | None:
+    """The output scale's value over `config`: what the mixer's `__init__` assigns it,
+    or what a copied `__init__` registers as its buffer
+    (`layer.mamba.register_buffer("mup_vector", mup_vector.clone())`, the local names
+    it reads put back: `compute_mup_vector(config).clone()`)."""
+    name = spec.out_scale
+    if name is None:
+        return None
+    if name in spec.info.attrs:
+        return code(resolve(spec.info.attrs[name], spec.info, {}))
+    found = []
+    for owner in model.roles.wanted:
+        init = model.classes[owner].init
+        if init is None:
+            continue
+        for call in m.findall(
+            init, m.Call(func=m.Attribute(attr=m.Name("register_buffer")))
+        ):
+            args = [a.value for a in call.args]
+            if len(args) >= 2 and m.matches(args[0], m.SimpleString()):
+                if args[0].evaluated_value == name:
+                    found.append(_locals_put_back(args[1], init))
+    if len(found) != 1:
+        raise PatternRefused(
+            f"its in-projection's output is scaled by self.{name}, which "
+            f"{len(found)} copied __init__ registers (expected one)"
+        )
+    return found[0]
+
+
+def _locals_put_back(expr: cst.BaseExpression, func: cst.FunctionDef) -> str:
+    """`expr` with each local name `func` assigns once replaced by its value."""
+    values = {}
+    for assign in m.findall(func, m.Assign(targets=[m.AssignTarget(m.Name())])):
+        values.setdefault(assign.targets[0].target.value, []).append(assign.value)
+
+    class PutBack(cst.CSTTransformer):
+        def leave_Name(self, original, updated):
+            found = values.get(original.value, [])
+            return found[0] if len(found) == 1 else updated
+
+    text = code(expr.visit(PutBack()))
+    if "self." in text:
+        raise PatternRefused(f"its output scale ({text}) reads its owner's attributes")
+    return text
 
 
 def _call_sites(model, cls: str) -> list[cst.Call]:

@@ -44,6 +44,8 @@ def construction(
     values = {k: code(resolve(spec.args[k], spec.info, bound)) for k in ORDER}
     if not spec.norm_grouped:
         values["n_groups"] = f"one_group({values['n_groups']})"
+    if spec.use_rms_norm is not None:
+        values["use_rms_norm"] = code(resolve(spec.use_rms_norm, spec.info, bound))
     args = [f"{k}={v}" for k, v in values.items()]
     args += [
         "model_config=get_current_vllm_config().model_config",
@@ -51,7 +53,41 @@ def construction(
         "quant_config=quant_config",
         f'prefix=f"{{prefix}}.{attr}"',  # the state cache's key: the module's path
     ]
-    return "with_sharded_bias(MambaMixer2(" + ", ".join(args) + "))"
+    built = "with_sharded_bias(MambaMixer2(" + ", ".join(args) + "))"
+    if not spec.unproven:
+        return built
+    config = code(resolve(cst.Name("config"), spec.info, bound))
+    unproven = ", ".join(
+        "{" + ", ".join(f"{k!r}: {v!r}" for k, v in flags) + "}"
+        for flags in spec.unproven
+    )
+    return f"proven_for({config}, ({unproven},), {built})"
+
+
+def folded_scales(spec: Mamba2Spec, scopes: list[str]) -> str:
+    """The causal LM's loader step folding the source's scales on the in-projection
+    (its input's, a config value; its output's, a vector over its rows) into the
+    checkpoint's in-projection weight and bias, before vLLM's loader shards them."""
+    if spec.in_scale is None and spec.out_scale_value is None:
+        return ""
+    weights = tuple(f".{s}.{spec.in_proj}.weight" for s in scopes)
+    biases = tuple(f".{s}.{spec.in_proj}.bias" for s in scopes)
+    in_scale = code(spec.in_scale) if spec.in_scale is not None else "1.0"
+    out_scale = spec.out_scale_value or "1.0"
+    return f"""
+    def _mamba2_scales(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        # the source scales the in-projection's input and output (rows): folded
+        # into its weight (and bias) before vLLM's loader shards them
+        config = self.config
+        rows = torch.as_tensor({out_scale}, dtype=torch.float32).reshape(-1)
+        for name, tensor in weights:
+            if name.endswith({weights!r}):
+                scale = rows[:, None] * {in_scale}
+                tensor = (tensor.float() * scale).to(tensor.dtype)
+            elif name.endswith({biases!r}):
+                tensor = (tensor.float() * rows).to(tensor.dtype)
+            yield name, tensor
+"""
 
 
 def state_methods(spec: Mamba2Spec) -> str:
@@ -82,6 +118,23 @@ def state_methods(spec: Mamba2Spec) -> str:
     def get_mamba_state_copy_func(cls):
         return MambaStateCopyFuncCalculator.mamba2_state_copy_func()
 """
+
+
+# flag settings under which the proof found the source's mixer and vLLM's different
+PROVEN_FOR = '''
+def proven_for(config, unproven: tuple[dict, ...], mixer: MambaMixer2) -> MambaMixer2:
+    """The mixer, on a config the codemod's proof covers: each entry of `unproven` is a
+    setting of config flags under which the source's mixer computes something else
+    than vLLM's MambaMixer2."""
+    for flags in unproven:
+        if all(getattr(config, k) == v for k, v in flags.items()):
+            setting = ", ".join(f"{k}={v}" for k, v in flags.items())
+            raise ValueError(
+                f"{setting}: this model's Mamba-2 mixer computes something vLLM's "
+                "MambaMixer2 does not (the codemod's proof found them different)"
+            )
+    return mixer
+'''
 
 
 # a source norm over the whole gated width: vLLM's norm is per group

@@ -70,6 +70,18 @@ class Mamba2Spec:
     # the gated norm is built per group (from the mixer's n_groups); else it spans the
     # whole width, which vLLM's per-group norm equals only with one group
     norm_grouped: bool = False
+    # the norm is built only where this holds (`Norm(...) if <cond> else nn.Identity()`;
+    # the gate alone otherwise), MambaMixer2's `use_rms_norm`
+    use_rms_norm: cst.BaseExpression | None = None
+    # the in-projection's input scaled by `self.<in_scale>` (a config value) and its
+    # output by `self.<out_scale>` (a vector): folded into its weight at load
+    in_scale: cst.BaseExpression | None = None
+    out_scale: str | None = None
+    # how the output scale is computed, over `config` (the claim finds it: the mixer's
+    # own `__init__` or its owner's `register_buffer`)
+    out_scale_value: str | None = None
+    # flag settings (tuples of (config field, value)) the proof found to differ
+    unproven: tuple = ()
     # the source class: its constructor's parameters, bound at each construction
     info: ClassInfo | None = field(default=None, compare=False, repr=False)
 
@@ -125,7 +137,9 @@ def _read(info: ClassInfo) -> Mamba2Spec:
     if eps is None:
         raise PatternRefused(f"self.{gated[0]} is built without an eps")
     args["rms_norm_eps"] = resolve(eps)
-    norm_grouped = code(args["n_groups"]) in code(resolve(info.attrs[gated[0]]))
+    built, use_rms_norm = _optional(info.attrs[gated[0]])
+    norm_grouped = code(args["n_groups"]) in code(resolve(built))
+    in_scale, out_scale = _scales(info, in_proj)
     return Mamba2Spec(
         class_name=info.name,
         in_proj=in_proj,
@@ -142,8 +156,80 @@ def _read(info: ClassInfo) -> Mamba2Spec:
             else None
         ),
         norm_grouped=norm_grouped,
+        use_rms_norm=resolve(use_rms_norm) if use_rms_norm is not None else None,
+        in_scale=resolve(in_scale) if in_scale is not None else None,
+        out_scale=out_scale,
         info=info,
     )
+
+
+_IDENTITY = m.Call(
+    func=m.Attribute(value=m.Name("nn"), attr=m.Name("Identity")) | m.Name("Identity")
+)
+
+
+def _optional(value: cst.BaseExpression):
+    """`Norm(...) if cond else nn.Identity()` -> (`Norm(...)`, cond); else (value, None)."""
+    if isinstance(value, cst.IfExp) and m.matches(value.orelse, _IDENTITY):
+        return value.body, value.test
+    return value, None
+
+
+def _scaled(stmt, name: str) -> str | None:
+    """`<name> = <name> * self.<attr>` -> attr."""
+    pattern = m.SimpleStatementLine(
+        [
+            m.Assign(
+                targets=[m.AssignTarget(m.Name(name))],
+                value=m.BinaryOperation(
+                    left=m.Name(name),
+                    operator=m.Multiply(),
+                    right=m.Attribute(value=m.Name("self")),
+                ),
+            )
+        ]
+    )
+    return stmt.body[0].value.right.attr.value if m.matches(stmt, pattern) else None
+
+
+def _scales(info: ClassInfo, in_proj: str):
+    """The scale on the in-projection's input (`x = x * self.s` before it, a value
+    `__init__` sets) and on its output (`p = p * self.v` right after it)."""
+    body = list(info.forward.body.body)
+    call = m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(in_proj)))
+    at = next(
+        (
+            i
+            for i, s in enumerate(body)
+            if m.matches(
+                s,
+                m.SimpleStatementLine(
+                    [m.Assign(targets=[m.AssignTarget(m.Name())], value=call)]
+                ),
+            )
+        ),
+        None,
+    )
+    if at is None:
+        return None, None
+    assign = body[at].body[0]
+    out_name = assign.targets[0].target.value
+    args = assign.value.args
+    in_name = (
+        args[0].value.value if args and isinstance(args[0].value, cst.Name) else None
+    )
+    in_scale = None
+    for stmt in body[:at]:
+        attr = _scaled(stmt, in_name) if in_name else None
+        if attr is not None:
+            if in_scale is not None or attr not in info.attrs:
+                raise PatternRefused(
+                    f"its in-projection's input is scaled by self.{attr}, "
+                    "which is not one value __init__ sets"
+                )
+            in_scale = info.attrs[attr]
+    out_scale = _scaled(body[at + 1], out_name) if at + 1 < len(body) else None
+    return in_scale, out_scale
 
 
 def _self_calls(node: cst.CSTNode) -> list[str]:

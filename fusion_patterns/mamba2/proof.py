@@ -13,6 +13,10 @@ kernel and than one SSD chunk.
 from __future__ import annotations
 
 import copy
+import inspect
+import os
+import re
+import traceback
 
 from ..base import PatternRefused, code
 from .match import Mamba2Spec
@@ -24,13 +28,29 @@ TOLERANCE = 1e-4  # the scan sums in a different order on each side
 def sizes(spec: Mamba2Spec, config) -> dict:
     """The MambaMixer2 arguments evaluated on `config`."""
     env = {"config": config}
+    exprs = {**spec.args}
+    for k in ("use_rms_norm", "in_scale"):
+        if getattr(spec, k) is not None:
+            exprs[k] = getattr(spec, k)
     try:
-        return {k: eval(code(v), env) for k, v in spec.args.items()}  # noqa: S307
+        out = {k: eval(code(v), env) for k, v in exprs.items()}  # noqa: S307
     except Exception as exc:  # noqa: BLE001 - an expression the config cannot give
         raise PatternRefused(f"its sizes do not evaluate on the config: {exc}") from exc
+    out.setdefault("use_rms_norm", True)
+    out.setdefault("in_scale", 1.0)
+    return out
 
 
-def prove(spec: Mamba2Spec, module, config, steps: int = STEPS) -> None:
+def prove(spec: Mamba2Spec, module, config, steps: int = STEPS) -> tuple:
+    """Proven on `config`; then each boolean config field the mixer's `__init__` reads
+    is flipped, the mixer rebuilt and proven again. Returns the flag settings found to
+    differ (each a tuple of (field, value)), which the generated file refuses to build.
+    """
+    _prove_one(spec, module, config, steps)
+    return _unproven_flags(spec, module, config, steps)
+
+
+def _prove_one(spec: Mamba2Spec, module, config, steps: int) -> None:
     import torch
 
     from ..dataflow import require_close
@@ -55,12 +75,15 @@ def prove(spec: Mamba2Spec, module, config, steps: int = STEPS) -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, prompt + steps, args["hidden_size"], generator=gen)
     try:
-        _prove_norm(spec, module, args)
+        if args["use_rms_norm"]:
+            _prove_norm(spec, module, args)
         want = _source(module, config, x, prompt)
         got = _vllm(module, spec, args, chunk, x[0], prompt)
     except PatternRefused:
         raise
     except Exception as exc:  # noqa: BLE001 - a side that cannot run: not proven
+        if os.environ.get("CODEMODS_DEBUG"):
+            traceback.print_exc()
         what = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
         raise PatternRefused(f"the comparison could not run: {what}") from exc
     require_close(got[:prompt], want[:prompt], "the mixer over the prompt", TOLERANCE)
@@ -69,6 +92,69 @@ def prove(spec: Mamba2Spec, module, config, steps: int = STEPS) -> None:
         require_close(
             got[t], want[t], f"decode step {i + 1} (states carried)", TOLERANCE
         )
+
+
+def _flags(spec: Mamba2Spec, config) -> list[str]:
+    """The boolean config fields the mixer's `__init__` reads."""
+    names = re.findall(r"\bconfig\.(\w+)", code(spec.info.init))
+    return [
+        n for n in dict.fromkeys(names) if isinstance(getattr(config, n, None), bool)
+    ]
+
+
+def _flipped(config, *names: str):
+    config = copy.deepcopy(config)
+    for n in names:
+        setattr(config, n, not getattr(config, n))
+    return config
+
+
+def _rebuilt(module, config):
+    """The mixer's class built anew on `config` (its other constructor parameters as
+    the instance has them), with the buffers its owner registered on it."""
+    params = inspect.signature(type(module).__init__).parameters
+    kwargs = {}
+    for name, p in list(params.items())[1:]:
+        if name == "config":
+            kwargs[name] = config
+        elif hasattr(module, name):
+            kwargs[name] = getattr(module, name)
+        elif p.default is inspect.Parameter.empty:
+            raise PatternRefused(f"cannot rebuild it without its {name}")
+    fresh = type(module)(**kwargs)
+    for name, buf in module.named_buffers(recurse=False):
+        if name not in dict(fresh.named_buffers(recurse=False)):
+            fresh.register_buffer(name, buf.clone(), persistent=False)
+    return fresh
+
+
+def _holds(spec: Mamba2Spec, module, config, steps: int) -> bool:
+    try:
+        _prove_one(spec, _rebuilt(module, config), config, steps)
+    except PatternRefused:
+        return False
+    return True
+
+
+def _unproven_flags(spec: Mamba2Spec, module, config, steps: int) -> tuple:
+    """Each flag whose other value the proof refuses, with the other flags' values under
+    which it does (a flag that only matters beside another: the norm's order, where the
+    norm is built at all)."""
+    flags = _flags(spec, config)
+    holds = {f: _holds(spec, module, _flipped(config, f), steps) for f in flags}
+    out = []
+    for f in flags:
+        if holds[f]:
+            continue
+        rescued = [
+            g
+            for g in flags
+            if g != f and _holds(spec, module, _flipped(config, f, g), steps)
+        ]
+        combo = {f: not getattr(config, f)}
+        combo.update({g: getattr(config, g) for g in rescued})
+        out.append(tuple(sorted(combo.items())))
+    return tuple(out)
 
 
 def _check_shapes(spec: Mamba2Spec, module, args: dict) -> None:
@@ -157,7 +243,9 @@ def _source(module, config, x, prompt: int):
         outs = [module(x[:, :prompt], cache_params=cache)]
         for t in range(prompt, x.shape[1]):
             outs.append(module(x[:, t : t + 1], cache_params=cache))
-    return torch.cat(outs, dim=1)[0]
+    # a decode step's output may come without its sequence axis (Falcon-H1's norm
+    # squeezes it)
+    return torch.cat([o.reshape(-1, o.shape[-1]) for o in outs], dim=0)
 
 
 def _vllm(module, spec: Mamba2Spec, args: dict, chunk: int, x, prompt: int):
@@ -186,7 +274,7 @@ def _vllm(module, spec: Mamba2Spec, args: dict, chunk: int, x, prompt: int):
     in_proj, conv, out_proj = (
         getattr(module, a) for a in (spec.in_proj, spec.conv, spec.out_proj)
     )
-    norm_weight = getattr(module, spec.norm).weight
+    norm_weight = getattr(getattr(module, spec.norm), "weight", None)
     eps = float(args["rms_norm_eps"])
     weights = conv.weight.view(conv.weight.size(0), conv.weight.size(2))
     A = -torch.exp(module.A_log.float())
@@ -207,10 +295,21 @@ def _vllm(module, spec: Mamba2Spec, args: dict, chunk: int, x, prompt: int):
         )
 
     def gated_norm(y, gate):
+        if not args["use_rms_norm"]:  # MambaMixer2(use_rms_norm=False): the gate alone
+            return y * F.silu(gate)
         return _gated_norm(norm_weight, y, gate, groups, eps)
 
+    # the scales on the in-projection, folded into its weight as the loader folds them
+    out_scale = (
+        getattr(module, spec.out_scale).float().reshape(-1)
+        if spec.out_scale is not None
+        else torch.ones(in_proj.out_features)
+    )
+    weight = in_proj.weight * (out_scale[:, None] * args["in_scale"])
+    bias = in_proj.bias * out_scale if in_proj.bias is not None else None
+
     def split(tokens):
-        projected = F.linear(tokens, in_proj.weight, in_proj.bias)
+        projected = F.linear(tokens, weight, bias)
         return projected.split([inter, conv_dim, heads], dim=-1)
 
     outs = []
