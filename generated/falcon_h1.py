@@ -646,6 +646,14 @@ class FalconH1ForCausalLM(
             compute_mup_vector(config).clone(), dtype=torch.float32
         ).reshape(-1)
         for name, tensor in weights:
+            folded = name.endswith((".mamba.in_proj.weight",)) or name.endswith(
+                (".mamba.in_proj.bias",)
+            )
+            if folded and not tensor.is_floating_point():
+                raise ValueError(
+                    f"{name} is stored as {tensor.dtype}: the source's scales on it "
+                    "are folded into a floating-point weight only"
+                )
             if name.endswith((".mamba.in_proj.weight",)):
                 scale = rows[:, None] * config.ssm_in_multiplier
                 tensor = (tensor.float() * scale).to(tensor.dtype)

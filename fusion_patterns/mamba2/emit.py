@@ -81,6 +81,12 @@ def folded_scales(spec: Mamba2Spec, scopes: list[str]) -> str:
         config = self.config
         rows = torch.as_tensor({out_scale}, dtype=torch.float32).reshape(-1)
         for name, tensor in weights:
+            folded = name.endswith({weights!r}) or name.endswith({biases!r})
+            if folded and not tensor.is_floating_point():
+                raise ValueError(
+                    f"{{name}} is stored as {{tensor.dtype}}: the source's scales on it "
+                    "are folded into a floating-point weight only"
+                )
             if name.endswith({weights!r}):
                 scale = rows[:, None] * {in_scale}
                 tensor = (tensor.float() * scale).to(tensor.dtype)
