@@ -373,7 +373,10 @@ def refuse_unclaimed_state(found: Cover | None, model) -> None:
 
     from .errors import CodemodError
 
-    for kind in found.kinds if found is not None else ():
+    # the kinds the source can build and those the tiny model built (a kind the rules
+    # over layer types cannot read, such as a mixer picked from a dict, is still seen)
+    kinds = set(found.kinds if found is not None else ()) | set(model.probe.instances)
+    for kind in sorted(kinds):
         info = model.classes.get(kind)
         if info is None or model.claimed_whole(kind) or not branches.kept_state(info):
             continue

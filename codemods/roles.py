@@ -183,7 +183,12 @@ def find(source: ModelSource, pymodule, causal_cls, probe: Probe) -> Roles:
         if classes[n].forward is not None and interface_call(classes[n].forward)
     }
     eager = {n: v for n, v in probe.eager.items() if n in in_layers and n in wanted}
-    _scope_checks(layer_list, interface | set(eager), _state_mixers(classes, wanted))
+    _scope_checks(
+        layer_list,
+        interface | set(eager),
+        _state_mixers(classes, wanted),
+        probe.module_calls,
+    )
     comp = _layers_comprehension(base, layers_attr)
 
     specs = {
@@ -265,15 +270,18 @@ def _state_mixers(classes: dict[str, ClassInfo], wanted: list[str]) -> set[str]:
     return {n for n in wanted if state_patterns(classes[n])}
 
 
-def _scope_checks(layer_list, attention_like: set[str], state_mixers: set[str]) -> None:
-    """Every layer attends or holds a mixer a pattern maps onto vLLM's state cache (a
-    mixer vLLM's attention cannot serve is out of scope)."""
+def _scope_checks(
+    layer_list, attention_like: set[str], state_mixers: set[str], calls: dict
+) -> None:
+    """Every layer attends, holds a mixer a pattern maps onto vLLM's state cache, or
+    mixes nothing across tokens (Nemotron-H's MLP and MoE blocks); a layer mixing
+    tokens some other way is out of scope."""
     import torch.nn as nn
 
     for i, layer in enumerate(layer_list):
         if not any(
             type(x).__name__ in attention_like | state_mixers for x in layer.modules()
-        ):
+        ) and not _token_wise(layer, calls.get(id(layer))):
             raise CodemodError(
                 f"out of scope: layer {i} ({type(layer).__name__}) has no attention-interface "
                 "call (a mixer vLLM's Transformers backend cannot serve either)"
@@ -293,6 +301,44 @@ def _scope_checks(layer_list, attention_like: set[str], state_mixers: set[str]) 
             raise CodemodError(
                 f"out of scope: layer {i} holds a convolution ({convs[0]}), a mixer that is not attention"
             )
+
+
+def _token_wise(layer, call) -> bool:
+    """The layer, rerun on what the probe handed it with the first token changed,
+    gives every later token the same output: it mixes nothing across tokens."""
+    import copy
+
+    import torch
+
+    if call is None:
+        return False
+    args, kwargs, out = call
+    args, kwargs = copy.deepcopy(list(args)), copy.deepcopy(dict(kwargs))
+    if args and isinstance(args[0], torch.Tensor):
+        x = args[0]
+    elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        x = kwargs["hidden_states"]
+    else:
+        return False
+    if x.dim() != 3 or x.shape[1] < 2 or not isinstance(out, torch.Tensor):
+        return False
+    changed = x.clone()
+    changed[:, 0] += 1.0
+    if args and args[0] is x:
+        args[0] = changed
+    else:
+        kwargs["hidden_states"] = changed
+    try:
+        with torch.no_grad():
+            again = layer(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - a layer that cannot rerun: not shown token-wise
+        return False
+    again = again[0] if isinstance(again, (tuple, list)) else again
+    if not isinstance(again, torch.Tensor) or again.shape != out.shape:
+        return False
+    return bool(torch.equal(again[:, 1:], out[:, 1:])) and not torch.equal(
+        again[:, :1], out[:, :1]
+    )
 
 
 def layer_list_name(value: cst.BaseExpression | None) -> str | None:

@@ -17,6 +17,7 @@
 # ======================================================================================
 """Native vLLM implementation of Mamba2ForCausalLM, generated from transformers/models/mamba2/modeling_mamba2.py."""
 
+import math
 from collections.abc import Iterable
 from itertools import islice
 
@@ -80,6 +81,33 @@ def one_group(n_groups: int) -> int:
     return n_groups
 
 
+class MambaMixer2WithTimeStepLimit(MambaMixer2):
+    """MambaMixer2 with the source's time-step limit: the source's forward (its chunked
+    scan, over every token) clamps the time step softplus(dt + dt_bias) from below;
+    vLLM's scan takes it unclamped. softplus rises, so raising the raw dt to
+    softplus^-1(floor) - dt_bias is that clamp."""
+
+    def __init__(self, *args, time_step_limit=(0.0, float("inf")), **kwargs):
+        super().__init__(*args, **kwargs)
+        floor, ceiling = time_step_limit
+        if ceiling != float("inf") or floor < 0:
+            raise ValueError(
+                f"time_step_limit={tuple(time_step_limit)}: vLLM's MambaMixer2 scan "
+                "has no upper limit on the time step"
+            )
+        self.dt_floor = math.log(math.expm1(floor)) if floor > 0 else None
+
+    def conv_ssm_forward(self, projected_states: torch.Tensor, output: torch.Tensor):
+        if self.dt_floor is not None:
+            dt = projected_states[:, -self.tped_dt_size :]
+            floor = self.dt_floor - self.dt_bias.to(dt.dtype)
+            projected_states = torch.cat(
+                [projected_states[:, : -self.tped_dt_size], torch.maximum(dt, floor)],
+                dim=-1,
+            )
+        super().conv_ssm_forward(projected_states, output)
+
+
 class Mamba2Block(nn.Module):
     def __init__(
         self,
@@ -94,7 +122,7 @@ class Mamba2Block(nn.Module):
         self.residual_in_fp32 = config.residual_in_fp32
         self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.mixer = with_sharded_bias(
-            MambaMixer2(
+            MambaMixer2WithTimeStepLimit(
                 hidden_size=config.hidden_size,
                 ssm_state_size=config.state_size,
                 conv_kernel_size=config.conv_kernel,
@@ -106,6 +134,7 @@ class Mamba2Block(nn.Module):
                 head_dim=config.head_dim,
                 rms_norm_eps=config.layer_norm_epsilon,
                 activation=config.hidden_act,
+                time_step_limit=config.time_step_limit,
                 model_config=get_current_vllm_config().model_config,
                 cache_config=get_current_vllm_config().cache_config,
                 quant_config=quant_config,

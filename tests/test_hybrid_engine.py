@@ -65,6 +65,20 @@ def test_mamba_2_without_attention():
     assert out["tokens_equal"] and out["max_abs_logprob_diff"] <= 1e-4
 
 
+def test_a_time_step_floor_the_time_steps_reach():
+    """A floor on the time step high enough that half the time steps hit it: vLLM's
+    own mixer would ignore it (without the clamp: |dlogprob| 0.7 on this checkpoint)."""
+    out = verify_json(
+        "granitemoehybrid",
+        "--override",
+        "time_step_limit=[0.6, Infinity]",
+        "--override",
+        "mamba_chunk_size=8",
+    )
+    assert out["ok"] and out["impl"] == IMPL, out
+    assert out["tokens_equal"] and out["max_abs_logprob_diff"] <= 1e-4
+
+
 def test_falcon_h1_over_two_ranks():
     """Falcon-H1: the in-projection's per-part scales folded into its weight before it
     is sharded, attention and the mixer side by side in each layer."""

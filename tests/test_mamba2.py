@@ -150,11 +150,23 @@ def test_a_norm_over_the_whole_width_is_refused_with_more_than_one_group():
         prove(match(info), module, config)
 
 
-def test_a_grouped_norm_with_a_time_step_floor_is_refused_for_the_floor():
+def test_a_time_step_floor_is_proven_where_the_floor_is_reached():
+    """Zamba 2 floors the time step at config.time_step_min; half the heads' dt_bias
+    is drawn far below it, so the floor bites. The generated mixer clamps the raw dt;
+    without that clamp the two sides differ."""
+    from dataclasses import replace
+
     info, module, config = _mixer("zamba2", groups=2)
-    with pytest.raises(
-        PatternRefused, match=r"time-step limit \(0.001, inf\) clamps dt"
-    ):
+    spec = match(info)
+    assert code(spec.time_step_limit) == '(config.time_step_min, float("inf"))'
+    prove(spec, module, config)
+    with pytest.raises(PatternRefused, match="the mixer over the prompt"):
+        prove(replace(spec, time_step_limit=None), module, config)
+
+
+def test_an_upper_time_step_limit_is_refused():
+    info, module, config = _mixer("granitemoehybrid", time_step_limit=(0.0, 0.5))
+    with pytest.raises(PatternRefused, match=r"clamps dt from above"):
         prove(match(info), module, config)
 
 
@@ -253,8 +265,10 @@ def test_the_mixer_is_built_from_the_sources_expressions():
 
     text = construction(match(load("modeling_zamba2.py").classes[MIXERS["zamba2"]]))
     assert text.startswith(
-        "with_sharded_bias(MambaMixer2(hidden_size=config.hidden_size, "
+        "with_sharded_bias(MambaMixer2WithTimeStepLimit(hidden_size=config.hidden_size, "
     )
+    # its floor on the time step, which vLLM's own mixer does not apply
+    assert 'time_step_limit=(config.time_step_min, float("inf")), ' in text
     assert "num_heads=config.n_mamba_heads, " in text
     assert "n_groups=config.mamba_ngroups, " in text
     assert "rms_norm_eps=1e-5, " in text

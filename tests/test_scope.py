@@ -141,3 +141,41 @@ def test_a_two_line_error_is_reported_on_one_line():
         one_line(exc)
         == "Class validation error for 'validate_architecture': top-1 only"
     )
+
+
+class _Shifted(__import__("torch").nn.Module):
+    """Mixes tokens in its own forward (a token shift, RWKV's way): no submodule
+    says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = __import__("torch").nn.Linear(8, 8)
+
+    def forward(self, hidden_states):
+        import torch
+
+        shifted = torch.cat(
+            [torch.zeros_like(hidden_states[:, :1]), hidden_states[:, :-1]], dim=1
+        )
+        return self.proj(hidden_states + shifted)
+
+
+def test_a_layer_without_attention_is_in_scope_only_if_it_mixes_no_tokens():
+    """Nemotron-H's MLP and MoE blocks neither attend nor keep state: rerun with the
+    first token changed, every later token's output is the same. A layer mixing tokens
+    in its own forward is not."""
+    import torch
+
+    from codemods.roles import _token_wise
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU())
+    shifted = _Shifted()
+    x = torch.randn(1, 5, 8)
+    with torch.no_grad():
+        assert _token_wise(mlp, ((x,), {}, mlp(x)))
+        assert not _token_wise(shifted, ((x,), {}, shifted(x)))
+        # handed by keyword, as the base model's loop may hand it
+        assert not _token_wise(
+            shifted, ((), {"hidden_states": x}, shifted(hidden_states=x))
+        )
+    assert not _token_wise(mlp, None)  # never called: not shown token-wise

@@ -61,6 +61,7 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "vllm.model_executor.layers.mla",
         ("MLAModules", "MultiHeadLatentAttentionWrapper"),
     ),
+    ("vllm.forward_context", ("get_forward_context",)),
     ("vllm.model_executor.layers.quantization", ("QuantizationConfig",)),
     ("vllm.model_executor.layers.rotary_embedding", ("get_rope",)),
     ("vllm.model_executor.model_loader.weight_utils", ("sharded_weight_loader",)),

@@ -105,6 +105,7 @@ class Mamba2(Pattern):
             (emit.SHARDED_BIAS,)
             + (() if spec.norm_grouped else (emit.ONE_GROUP,))
             + ((emit.PROVEN_FOR,) if spec.unproven else ())
+            + ((emit.TIME_STEP_LIMIT,) if spec.time_step_limit is not None else ())
         )
 
     def causal_lm(self, claim: Claim, attends: bool) -> CausalHook:

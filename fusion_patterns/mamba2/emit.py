@@ -53,7 +53,12 @@ def construction(
         "quant_config=quant_config",
         f'prefix=f"{{prefix}}.{attr}"',  # the state cache's key: the module's path
     ]
-    built = "with_sharded_bias(MambaMixer2(" + ", ".join(args) + "))"
+    mixer = "MambaMixer2"
+    if spec.time_step_limit is not None:
+        mixer = "MambaMixer2WithTimeStepLimit"
+        limit = code(resolve(spec.time_step_limit, spec.info, bound))
+        args.insert(len(values), f"time_step_limit={limit}")
+    built = f"with_sharded_bias({mixer}(" + ", ".join(args) + "))"
     if not spec.unproven:
         return built
     config = code(resolve(cst.Name("config"), spec.info, bound))
@@ -124,6 +129,36 @@ def state_methods(spec: Mamba2Spec) -> str:
     def get_mamba_state_copy_func(cls):
         return MambaStateCopyFuncCalculator.mamba2_state_copy_func()
 """
+
+
+# the source clamps dt = softplus(dt + dt_bias) from below; vLLM's scan does not
+TIME_STEP_LIMIT = '''
+class MambaMixer2WithTimeStepLimit(MambaMixer2):
+    """MambaMixer2 with the source's time-step limit: the source's forward (its chunked
+    scan, over every token) clamps the time step softplus(dt + dt_bias) from below;
+    vLLM's scan takes it unclamped. softplus rises, so raising the raw dt to
+    softplus^-1(floor) - dt_bias is that clamp."""
+
+    def __init__(self, *args, time_step_limit=(0.0, float("inf")), **kwargs):
+        super().__init__(*args, **kwargs)
+        floor, ceiling = time_step_limit
+        if ceiling != float("inf") or floor < 0:
+            raise ValueError(
+                f"time_step_limit={tuple(time_step_limit)}: vLLM's MambaMixer2 scan "
+                "has no upper limit on the time step"
+            )
+        self.dt_floor = math.log(math.expm1(floor)) if floor > 0 else None
+
+    def conv_ssm_forward(self, projected_states: torch.Tensor, output: torch.Tensor):
+        if self.dt_floor is not None:
+            dt = projected_states[:, -self.tped_dt_size :]
+            floor = self.dt_floor - self.dt_bias.to(dt.dtype)
+            projected_states = torch.cat(
+                [projected_states[:, : -self.tped_dt_size], torch.maximum(dt, floor)],
+                dim=-1,
+            )
+        super().conv_ssm_forward(projected_states, output)
+'''
 
 
 # flag settings under which the proof found the source's mixer and vLLM's different

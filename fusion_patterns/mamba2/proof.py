@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import os
 import re
 import traceback
@@ -65,10 +66,12 @@ def _prove_one(spec: Mamba2Spec, module, config, steps: int) -> None:
         if spec.time_step_limit is not None
         else (0.0, float("inf"))
     )
-    if limit != (0.0, float("inf")):
+    if limit[1] != float("inf") or limit[0] < 0:
         raise PatternRefused(
-            f"its time-step limit {limit} clamps dt, which vLLM's MambaMixer2 does not"
+            f"its time-step limit {limit} clamps dt from above, which vLLM's "
+            "MambaMixer2 cannot"
         )
+    args["time_step_floor"] = float(limit[0])
     _check_shapes(spec, module, args)
     module = _randomised(module, spec)
     prompt = max(chunk + 3, args["conv_kernel_size"] + 2)
@@ -78,6 +81,12 @@ def _prove_one(spec: Mamba2Spec, module, config, steps: int) -> None:
         if args["use_rms_norm"]:
             _prove_norm(spec, module, args)
         want = _source(module, config, x, prompt)
+        if args["time_step_floor"] > 0:
+            # the source's state update omits the floor its chunked scan applies: the
+            # model's function is its forward over every token (what verify's reference
+            # and transformers' scoring compute), so each step is held to that
+            with torch.no_grad():
+                want = module(x)[0]
         got = _vllm(module, spec, args, chunk, x[0], prompt)
     except PatternRefused:
         raise
@@ -223,6 +232,9 @@ def _randomised(module, spec: Mamba2Spec):
         for name in ("A_log", "dt_bias", "D"):
             p = getattr(module, name)
             p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        # every other head's time step far below any floor (softplus(-8) = 3e-4), so a
+        # floor on dt is reached, and one applied where the source does not, seen
+        module.dt_bias[1::2] -= 8.0
         norm = getattr(module, spec.norm)
         for p in norm.parameters():
             p.copy_(1 + torch.randn(p.shape, generator=gen) / 4)
@@ -310,7 +322,11 @@ def _vllm(module, spec: Mamba2Spec, args: dict, chunk: int, x, prompt: int):
 
     def split(tokens):
         projected = F.linear(tokens, weight, bias)
-        return projected.split([inter, conv_dim, heads], dim=-1)
+        gate, xbc, dt = projected.split([inter, conv_dim, heads], dim=-1)
+        if args["time_step_floor"] > 0:  # as the generated mixer clamps
+            floor = math.log(math.expm1(args["time_step_floor"]))
+            dt = torch.maximum(dt, floor - module.dt_bias)
+        return gate, xbc, dt
 
     outs = []
     with torch.no_grad():
