@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from fusion_patterns.base import ClassInfo, dotted_name, linear_args
+from fusion_patterns.base import ClassInfo, ClassTable, code, dotted_name, linear_args
 
 from .copying import attention as attention_args
 from .copying import eager_attention
@@ -56,6 +56,9 @@ class Roles:
     # (class, attr) -> the source class the tiny model built there, for constructions
     # through a lookup (`CLASSES[config._attn_implementation](config)`)
     built: dict[tuple[str, str], str] = field(default_factory=dict)
+    # (class, attr) -> a class table it is built from per layer
+    # (`self.mixer = MIXER_TYPES[self.block_type](config, ...)`)
+    tables: dict[tuple[str, str], ClassTable] = field(default_factory=dict)
     # module attributes of the causal LM besides the base model and the head
     last_rank_attrs: set[str] = field(default_factory=set)
 
@@ -176,6 +179,10 @@ def find(source: ModelSource, pymodule, causal_cls, probe: Probe) -> Roles:
         name = type(mod).__name__
         if name in classes and name not in wanted:
             wanted += [c for c in _reachable(name, classes) if c not in wanted]
+    tables = _class_tables(classes, wanted, pymodule)
+    for table in tables.values():  # every class a table holds, built or not
+        for name in table.classes.values():
+            wanted += [c for c in _reachable(name, classes) if c not in wanted]
     in_layers = {type(x).__name__ for layer in layer_list for x in layer.modules()}
     interface = {
         n
@@ -234,6 +241,7 @@ def find(source: ModelSource, pymodule, causal_cls, probe: Probe) -> Roles:
         tied_embedding=tied_embedding,
         placement=placement,
         built=_looked_up(probe, classes, wanted),
+        tables=tables,
         last_rank_attrs={
             a
             for a, child in model.named_children()
@@ -429,6 +437,30 @@ def _scopes(model, layers_attr: str, classes, layer_classes) -> dict[str, list[s
     for layer in layer_classes:
         walk(layer, "", 0)
     return {k: v for k, v in out.items() if v}
+
+
+def _class_tables(classes, wanted: list[str], pymodule) -> dict:
+    """(class, attr) -> the table of the source's classes `__init__` builds it from:
+    `MIXER_TYPES[self.block_type](config, ...)` over a module-level dict of classes."""
+    out = {}
+    for n in wanted:
+        for attr, value in classes[n].attrs.items():
+            if not m.matches(
+                value,
+                m.Call(func=m.Subscript(value=m.Name(), slice=[m.SubscriptElement()])),
+            ):
+                continue
+            table = getattr(pymodule, value.func.value.value, None)
+            if not isinstance(table, dict) or not all(
+                isinstance(k, str) and isinstance(v, type) and v.__name__ in classes
+                for k, v in table.items()
+            ):
+                continue
+            key = code(value.func.slice[0].slice.value)
+            if "_attn_implementation" in key:
+                continue  # one class for the model: the eager one (`_looked_up`)
+            out[(n, attr)] = ClassTable(key, {k: v.__name__ for k, v in table.items()})
+    return out
 
 
 def _looked_up(probe: Probe, classes, wanted: list[str]) -> dict[tuple[str, str], str]:

@@ -85,6 +85,42 @@ def refused_by(exc: Exception, pattern: str, cls: str, what: str) -> "Refusal":
     )
 
 
+@dataclass(frozen=True)
+class ClassTable:
+    """`TABLE[<key>](...)`: the source's class built for each value of `key` (its
+    code, `self.block_type`), from a module-level dict of classes."""
+
+    key: str
+    classes: dict[str, str]
+
+    def class_at(self, branch: tuple[str, str] | None) -> str | None:
+        """The class a call inside `if <key> == "<value>":` reaches."""
+        if branch is None or branch[0] != self.key:
+            return None
+        return self.classes.get(branch[1])
+
+
+_KEYED_BRANCH = m.If(
+    test=m.Comparison(
+        comparisons=[
+            m.ComparisonTarget(operator=m.Equal(), comparator=m.SimpleString())
+        ]
+    )
+)
+
+
+def branch_keys(node: cst.CSTNode) -> dict[int, tuple[str, str]]:
+    """id of each call inside `if <expr> == "<value>":` -> (its expr's code, value);
+    the innermost such branch wins."""
+    out = {}
+    for branch in m.findall(node, _KEYED_BRANCH):  # outer branches first
+        test = branch.test
+        key = (code(test.left), test.comparisons[0].comparator.evaluated_value)
+        for call in m.findall(branch.body, m.Call()):
+            out[id(call)] = key
+    return out
+
+
 class PatternRefused(Exception):
     """Raised inside a pattern's extraction when a candidate fails one of its checks.
 

@@ -89,6 +89,30 @@ def test_falcon_h1_over_two_ranks():
     assert "mamba_rms_norm" in out["features"]
 
 
+def test_nemotron_h_every_block_kind_over_two_pipeline_stages():
+    """Nemotron-H's four block kinds (Mamba-2, attention, MLP, MoE), each stage holding
+    a Mamba-2 and an attention block (vLLM 0.32 cannot start a stage with state pages
+    only beside one with KV pages only)."""
+    out = verify_json(
+        "nemotron_h",
+        "--pp",
+        "2",
+        "--override",
+        "num_hidden_layers=6",
+        "--override",
+        'layers_block_type=["linear_attention", "full_attention", "mlp", '
+        '"linear_attention", "full_attention", "moe"]',
+    )
+    assert out["ok"] and out["impl"] == "generated.nemotron_h:NemotronHForCausalLM"
+    assert out["pp"] == 2 and out["tokens_equal"], out
+    assert {
+        "NemotronHMamba2Mixer",
+        "NemotronHAttention",
+        "NemotronHMLP",
+        "NemotronHMoE",
+    } <= set(out["kinds"])
+
+
 def test_a_per_layer_theta_with_nope_layers():
     """Granite SWA: each layer's theta, 0 for no rope at all."""
     out = verify_json(

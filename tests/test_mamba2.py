@@ -10,6 +10,7 @@ import importlib
 import os
 import re
 
+import libcst.matchers as m
 import pytest
 
 from conftest import edited_modeling_file
@@ -479,3 +480,71 @@ def test_the_proven_for_guard_refuses_the_unproven_setting_in_one_line():
     bad = SimpleNamespace(mamba_norm_before_gate=True, mamba_rms_norm=True)
     with pytest.raises(ValueError, match="^mamba_norm_before_gate=True, mamba_rms"):
         space["proven_for"](bad, unproven, "mixer")
+
+
+# --- Nemotron-H: the mixer picked per layer from a table of classes ------------------
+
+
+def test_a_call_in_a_keyed_branch_reaches_that_keys_class():
+    import libcst as cst
+
+    from fusion_patterns.base import ClassTable, branch_keys
+
+    forward = cst.parse_module(
+        "def forward(self, x):\n"
+        "    if self.block_type == 'mamba':\n"
+        "        x = self.mixer(x, cache_params=None)\n"
+        "    elif self.block_type == 'attention':\n"
+        "        x = self.mixer(hidden_states=x)\n"
+        "    else:\n"
+        "        x = self.mixer(x)\n"
+        "    return x\n"
+    )
+    table = ClassTable("self.block_type", {"mamba": "Mixer", "attention": "Attn"})
+    branches = branch_keys(forward)
+    calls = [
+        c for c in m.findall(forward, m.Call(func=m.Attribute(attr=m.Name("mixer"))))
+    ]
+    assert [table.class_at(branches.get(id(c))) for c in calls] == [
+        "Mixer",
+        "Attn",
+        None,  # the else branch: no key says which
+    ]
+    # a branch on another expression says nothing about this table
+    assert (
+        ClassTable("self.kind", {"mamba": "Mixer"}).class_at(branches.get(id(calls[0])))
+        is None
+    )
+
+
+@pytest.fixture(scope="module")
+def nemotron_h():
+    return _generated("modeling_nemotron_h.py")
+
+
+def test_nemotron_h_builds_each_layers_class_from_its_table(nemotron_h):
+    """`MIXER_TYPES[self.block_type](config, layer_idx=layer_idx)`: each class built as
+    the copy builds it (the Mamba-2 one as vLLM's mixer), the per-layer choice kept;
+    only the Mamba-2 branch's call takes vLLM's one row per token."""
+    _, text = nemotron_h
+    table = text[text.index("self.mixer = {") : text.index("}[self.block_type]()")]
+    assert '"linear_attention": lambda: with_sharded_bias(' in table
+    assert "MambaMixer2WithTimeStepLimit(" in table
+    assert '"full_attention": lambda: NemotronHAttention(' in table
+    assert '"moe": lambda: NemotronHMoE(' in table
+    assert '"mlp": lambda: NemotronHMLP(' in table
+    assert table.count('prefix=f"{prefix}.mixer"') == 4
+    assert "class NemotronHMamba2Mixer" not in text
+    assert "self.mixer(hidden_states.flatten(0, -2)).view_as(" in text
+    assert text.count(".flatten(0, -2)).view_as(") == 1
+    assert "hidden_states = self.mixer(hidden_states)\n" in text  # MLP / MoE
+
+
+def test_a_mixer_from_a_table_no_pattern_claims_is_refused_not_copied():
+    """With the pattern off, Nemotron-H's Mamba-2 mixer (built through its table, so
+    the rules over layer types never name it) is refused: a copy would keep
+    transformers' cache."""
+    from codemods.errors import CodemodError
+
+    with pytest.raises(CodemodError, match="NemotronHMamba2Mixer keeps state"):
+        _generated("modeling_nemotron_h.py", disabled={"mamba2"})

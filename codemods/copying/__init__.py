@@ -95,6 +95,7 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
         },
         mask_functions=mask_functions,
         built=roles.built,
+        tables=roles.tables,
         attention_name="VllmAttention" if "Attention" in classes else "Attention",
         merged_heads={c.class_name: c.heads for c in model.claims if c.heads},
         call_sites={

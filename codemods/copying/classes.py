@@ -20,6 +20,7 @@ import libcst.matchers as m
 
 from fusion_patterns.base import (
     CLASS,
+    branch_keys,
     Claim,
     ClassInfo,
     code,
@@ -85,6 +86,8 @@ class Context:
     # (class, attr) -> the source class the tiny model built there, for constructions
     # through a lookup (`CLASSES[config._attn_implementation](config)`)
     built: dict[tuple[str, str], str] = field(default_factory=dict)
+    # (class, attr) -> the class table it is built from per layer
+    tables: dict = field(default_factory=dict)
     # vLLM's Attention under the name the file imports it as (VllmAttention where the
     # source defines a class of its own called Attention)
     attention_name: str = "Attention"
@@ -253,6 +256,20 @@ class _InitRewrite(cst.CSTTransformer):
     # constructions -------------------------------------------------------------
     def leave_Call(self, original: cst.Call, updated: cst.Call):
         path = self._current()
+        table = self.ctx.tables.get((self.info.name, path or ""))
+        if table is not None and isinstance(updated.func, cst.Subscript):
+            # one class per layer, chosen by the table's key: each built as the copy
+            # builds it (a claimed one the pattern's way), the choice kept
+            built = {
+                k: code(
+                    self.leave_Call(original, updated.with_changes(func=cst.Name(c)))
+                )
+                for k, c in table.classes.items()
+            }
+            entries = ", ".join(f"{k!r}: lambda: {v}" for k, v in built.items())
+            return cst.parse_expression(
+                f"{{{entries}}}[{code(updated.func.slice[0].slice.value)}]()"
+            )
         looked_up = self.ctx.built.get((self.info.name, path or ""))
         if looked_up and isinstance(updated.func, cst.Subscript):
             # a class chosen by the attention implementation: the one transformers' eager
@@ -419,7 +436,11 @@ def rewrite_class(
         node = claim.pattern.rewrite_class(claim, node)
     # (a visit rebuilds every node: only where there is something to change, since the
     # eager-attention rewrite finds its statements by identity)
-    if any(_called_class(info, ctx, a) in ctx.call_sites for a in _called_attrs(node)):
+    if any(
+        c in ctx.call_sites
+        for a in _called_attrs(node)
+        for c in _called_classes(info, ctx, a)
+    ):
         node = node.visit(_ClaimedCalls(info, ctx)).visit(_NoneUnpacked())
     if info.name in ctx.positions:
         node = node.visit(_Positions(info, ctx))
@@ -537,9 +558,23 @@ def _called_attrs(node: cst.ClassDef) -> set[str]:
     }
 
 
-def _called_class(info: ClassInfo, ctx: Context, attr: str) -> str | None:
-    """The source class `self.<attr>` is built from (through a lookup too)."""
+def _called_class(
+    info: ClassInfo, ctx: Context, attr: str, branch: tuple[str, str] | None = None
+) -> str | None:
+    """The source class `self.<attr>` is built from (through a lookup too); for one
+    built from a class table, the class of the `if <key> == "<value>":` branch the
+    call is in, else none."""
+    table = ctx.tables.get((info.name, attr))
+    if table is not None:
+        return table.class_at(branch)
     return ctx.built.get((info.name, attr)) or info.constructed_class(attr)
+
+
+def _called_classes(info: ClassInfo, ctx: Context, attr: str) -> set[str | None]:
+    table = ctx.tables.get((info.name, attr))
+    if table is not None:
+        return set(table.classes.values())
+    return {_called_class(info, ctx, attr)}
 
 
 class _ClaimedCalls(cst.CSTTransformer):
@@ -548,11 +583,20 @@ class _ClaimedCalls(cst.CSTTransformer):
 
     def __init__(self, info: ClassInfo, ctx: Context):
         self.info, self.ctx = info, ctx
+        self.branches: dict = {}
+
+    def visit_ClassDef(self, node: cst.ClassDef):
+        self.branches = branch_keys(node)
 
     def leave_Call(self, original, updated: cst.Call):
         if not m.matches(updated.func, m.Attribute(value=m.Name("self"))):
             return updated
-        cls = _called_class(self.info, self.ctx, updated.func.attr.value)
+        cls = _called_class(
+            self.info,
+            self.ctx,
+            updated.func.attr.value,
+            self.branches.get(id(original)),
+        )
         claim = self.ctx.call_sites.get(cls or "")
         if claim is None:
             return updated
@@ -605,10 +649,18 @@ class _Positions(cst.CSTTransformer):
             return updated
         return with_positions_param(updated)
 
+    def visit_ClassDef(self, node: cst.ClassDef):
+        self.branches = branch_keys(node)
+
     def leave_Call(self, original, updated: cst.Call):
         if not m.matches(updated.func, m.Attribute(value=m.Name("self"))):
             return updated
-        cls = _called_class(self.info, self.ctx, updated.func.attr.value)
+        cls = _called_class(
+            self.info,
+            self.ctx,
+            updated.func.attr.value,
+            getattr(self, "branches", {}).get(id(original)),
+        )
         if cls not in self.ctx.positions:
             return updated
         claim = self.ctx.call_sites.get(cls)

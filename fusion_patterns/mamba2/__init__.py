@@ -25,6 +25,7 @@ from ..base import (
     Pattern,
     PatternRefused,
     Refusal,
+    branch_keys,
     code,
     refused_by,
 )
@@ -189,19 +190,26 @@ def _locals_put_back(expr: cst.BaseExpression, func: cst.FunctionDef) -> str:
 
 
 def _call_sites(model, cls: str) -> list[cst.Call]:
-    """Every `self.<attr>(...)` of a copied module whose `<attr>` holds `cls`."""
+    """Every `self.<attr>(...)` of a copied module whose `<attr>` holds `cls` (for an
+    attribute built from a class table, the calls in `cls`'s branch)."""
     calls = []
     for owner in model.roles.wanted:
         info = model.classes[owner]
         if info.forward is None:
             continue
+        branches = branch_keys(info.forward)
         for attr in info.attrs:
-            if cls not in info.constructed_classes(attr):
+            table = model.roles.tables.get((owner, attr))
+            if table is None and cls not in info.constructed_classes(attr):
                 continue
-            calls += m.findall(
-                info.forward,
-                m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(attr))),
-            )
+            calls += [
+                call
+                for call in m.findall(
+                    info.forward,
+                    m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(attr))),
+                )
+                if table is None or table.class_at(branches.get(id(call))) == cls
+            ]
     return calls
 
 
