@@ -178,11 +178,11 @@ def find(source: ModelSource, pymodule, causal_cls, probe: Probe) -> Roles:
     for mod in model.modules():
         name = type(mod).__name__
         if name in classes and name not in wanted:
-            wanted += [c for c in _reachable(name, classes) if c not in wanted]
+            _want(wanted, name, classes)
     tables = _class_tables(classes, wanted, pymodule)
     for table in tables.values():  # every class a table holds, built or not
         for name in table.classes.values():
-            wanted += [c for c in _reachable(name, classes) if c not in wanted]
+            _want(wanted, name, classes)
     in_layers = {type(x).__name__ for layer in layer_list for x in layer.modules()}
     interface = {
         n
@@ -268,6 +268,11 @@ def _reachable(start: str, classes: dict[str, ClassInfo]) -> list[str]:
         stack += [b for b in info.bases if b in classes]
         stack += [c for c in _constructed(info) if c in classes]
     return seen
+
+
+def _want(wanted: list[str], name: str, classes: dict[str, ClassInfo]) -> None:
+    """Add `name` and the classes it builds to `wanted` (in place, once each)."""
+    wanted += [c for c in _reachable(name, classes) if c not in wanted]
 
 
 def _state_mixers(classes: dict[str, ClassInfo], wanted: list[str]) -> set[str]:

@@ -10,9 +10,9 @@ keeping every value and changing only sizes.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-import functools
 import typing
 from pathlib import Path
 

@@ -88,8 +88,7 @@ def _without_folded(statements: list, buffers: set[str]) -> list:
         return statements
     out = []
     for i, stmt in enumerate(kept):
-        local = m.SimpleStatementLine([m.Assign(targets=[m.AssignTarget(m.Name())])])
-        if m.matches(stmt, local):
+        if m.matches(stmt, _LOCAL):
             name = stmt.body[0].targets[0].target.value
             later = kept[i + 1 :]
             if not any(m.findall(s, m.Name(name)) for s in later):
@@ -98,20 +97,23 @@ def _without_folded(statements: list, buffers: set[str]) -> list:
     return out
 
 
-def _registers_only(stmt: cst.CSTNode, buffers: set[str]) -> bool:
-    """The statement (a loop over the layers, say) does nothing but register buffers
-    named in `buffers` on submodules."""
-    if not buffers:
-        return False
-    if isinstance(stmt, (cst.For, cst.If)) and stmt.orelse is None:
-        return all(_registers_only(s, buffers) for s in stmt.body.body)
-    register = m.Call(
+_LOCAL = m.SimpleStatementLine([m.Assign(targets=[m.AssignTarget(m.Name())])])
+_REGISTER = m.Expr(
+    m.Call(
         func=m.Attribute(attr=m.Name("register_buffer")),
         args=[m.Arg(m.SimpleString()), m.ZeroOrMore()],
     )
+)
+
+
+def _registers_only(stmt: cst.CSTNode, buffers: set[str]) -> bool:
+    """The statement (a loop over the layers, say) does nothing but register buffers
+    named in `buffers` on submodules."""
+    if isinstance(stmt, (cst.For, cst.If)) and stmt.orelse is None:
+        return all(_registers_only(s, buffers) for s in stmt.body.body)
     return (
         isinstance(stmt, cst.SimpleStatementLine)
-        and all(m.matches(s, m.Expr(register)) for s in stmt.body)
+        and all(m.matches(s, _REGISTER) for s in stmt.body)
         and all(s.value.args[0].value.evaluated_value in buffers for s in stmt.body)
     )
 

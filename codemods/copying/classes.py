@@ -577,9 +577,9 @@ def _called_classes(info: ClassInfo, ctx: Context, attr: str) -> set[str | None]
     return {_called_class(info, ctx, attr)}
 
 
-class _ClaimedCalls(cst.CSTTransformer):
-    """`self.<attr>(...)` of a module a pattern claimed whole -> the call the pattern
-    says (vLLM's interface: `self.self_attn(positions, hidden_states)`)."""
+class _CallsByClass(cst.CSTTransformer):
+    """A transform of `self.<attr>(...)` calls by the source class each reaches (for
+    an attribute built from a class table, by the branch the call is in)."""
 
     def __init__(self, info: ClassInfo, ctx: Context):
         self.info, self.ctx = info, ctx
@@ -588,15 +588,23 @@ class _ClaimedCalls(cst.CSTTransformer):
     def visit_ClassDef(self, node: cst.ClassDef):
         self.branches = branch_keys(node)
 
+    def called_class(self, original: cst.Call) -> str | None:
+        return _called_class(
+            self.info,
+            self.ctx,
+            original.func.attr.value,
+            self.branches.get(id(original)),
+        )
+
+
+class _ClaimedCalls(_CallsByClass):
+    """`self.<attr>(...)` of a module a pattern claimed whole -> the call the pattern
+    says (vLLM's interface: `self.self_attn(positions, hidden_states)`)."""
+
     def leave_Call(self, original, updated: cst.Call):
         if not m.matches(updated.func, m.Attribute(value=m.Name("self"))):
             return updated
-        cls = _called_class(
-            self.info,
-            self.ctx,
-            updated.func.attr.value,
-            self.branches.get(id(original)),
-        )
+        cls = self.called_class(original)
         claim = self.ctx.call_sites.get(cls or "")
         if claim is None:
             return updated
@@ -637,30 +645,19 @@ class _NoneUnpacked(cst.CSTTransformer):
         )
 
 
-class _Positions(cst.CSTTransformer):
+class _Positions(_CallsByClass):
     """vLLM's positions, handed down: `forward` takes `positions`, and each copied
     module below that needs them is called with `positions=positions`."""
-
-    def __init__(self, info: ClassInfo, ctx: Context):
-        self.info, self.ctx = info, ctx
 
     def leave_FunctionDef(self, original, updated: cst.FunctionDef):
         if updated.name.value != "forward":
             return updated
         return with_positions_param(updated)
 
-    def visit_ClassDef(self, node: cst.ClassDef):
-        self.branches = branch_keys(node)
-
     def leave_Call(self, original, updated: cst.Call):
         if not m.matches(updated.func, m.Attribute(value=m.Name("self"))):
             return updated
-        cls = _called_class(
-            self.info,
-            self.ctx,
-            updated.func.attr.value,
-            getattr(self, "branches", {}).get(id(original)),
-        )
+        cls = self.called_class(original)
         if cls not in self.ctx.positions:
             return updated
         claim = self.ctx.call_sites.get(cls)

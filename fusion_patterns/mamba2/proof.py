@@ -80,13 +80,14 @@ def _prove_one(spec: Mamba2Spec, module, config, steps: int) -> None:
     try:
         if args["use_rms_norm"]:
             _prove_norm(spec, module, args)
-        want = _source(module, config, x, prompt)
         if args["time_step_floor"] > 0:
             # the source's state update omits the floor its chunked scan applies: the
             # model's function is its forward over every token (what verify's reference
             # and transformers' scoring compute), so each step is held to that
             with torch.no_grad():
                 want = module(x)[0]
+        else:
+            want = _source(module, config, x, prompt)
         got = _vllm(module, spec, args, chunk, x[0], prompt)
     except PatternRefused:
         raise
