@@ -21,6 +21,7 @@
 #   Unfused: tensor parallel (NemotronHMoE): replicated on every rank: fc1_latent_proj, fc2_latent_proj (transformers' TP plan has no entry for them, and their dataflow gives none: it holds no linear of its own)
 #   Unfused: tensor parallel (NemotronHExperts): replicated on every rank: up_proj, down_proj (stacked parameters of a copied class, not vLLM layers: every rank holds them whole)
 #   Unfused: torch.compile (NemotronHModel): off: NemotronHExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
+#   Unfused: Python loop (NemotronHExperts): `for ... in expert_hit`: one step per value the batch produces (the experts it hits), each its own small matmul
 #   Refused: router + experts (NemotronHMoE): no experts class matched
 #   Refused: experts (the source's router) (NemotronHExperts): their forward is not `act(gate) * up` on a stacked [gate; up] parameter, then one down projection, per expert, nor are they stacked [experts, hidden, 2 * intermediate] beside [experts, intermediate, hidden]
 #   Refused: gate/up projections (NemotronHMLP): forward has no `down(act(gate(x)) * up(x))` product

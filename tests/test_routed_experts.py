@@ -51,6 +51,7 @@ def test_experts_behind_an_unproven_router_run_as_fused_moe():
     assert ".nonzero()" not in text
     assert "@support_torch_compile" in text
     assert not any("torch.compile" in line for line in plan.report())
+    assert not any("Python loop" in line for line in plan.report())
 
 
 def test_experts_that_compute_something_else_are_refused_and_copied(tmp_path):
@@ -65,6 +66,10 @@ def test_experts_that_compute_something_else_are_refused_and_copied(tmp_path):
     assert not experts_lines(plan, "Fused:")
     assert f"class {EXPERTS}(nn.Module)" in text  # copied, as the source computes it
     assert any("torch.compile" in line for line in plan.report())
+    # the loop over the experts a batch hits, a slow path said as one
+    assert any(
+        line.startswith(f"Unfused: Python loop ({EXPERTS})") for line in plan.report()
+    )
 
 
 def test_experts_called_by_keyword_are_refused(tmp_path):
@@ -271,3 +276,21 @@ def test_a_top_k_the_router_reads_off_self_config_is_found():
     ]
     config = Gemma4TextConfig(enable_moe_block=True, num_experts=8, top_k_experts=3)
     assert eval(ast.unparse(top_k), {"config": config}) == 3  # noqa: S307
+
+
+def test_a_loop_over_a_data_dependent_value_is_found_and_no_other():
+    from codemods.assembly.compile import data_loops
+
+    body = (
+        "class Experts(nn.Module):\n"
+        "    def forward(self, x, mask):\n"
+        "        hit = mask.sum(0).nonzero().squeeze(-1)\n"
+        "        for i in hit:\n"
+        "            x = x + i\n"
+        "        for j in range(4):\n"
+        "            x = x * 2\n"
+        "        for k in mask.nonzero():\n"
+        "            x = x - k\n"
+        "        return x\n"
+    )
+    assert data_loops(body) == [("Experts", "hit"), ("Experts", "mask.nonzero()")]

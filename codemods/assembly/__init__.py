@@ -125,6 +125,15 @@ def assemble(model: Model, copied: Copied, defs: Definitions, plan: Plan) -> Ass
         head = head.replace(
             "from vllm.compilation.decorators import support_torch_compile\n", ""
         )
+    for owner, iterable in dict.fromkeys(compile.data_loops(body)):
+        out.unfused.append(
+            Unfused(
+                owner,
+                "Python loop",
+                f"`for ... in {iterable}`: one step per value the batch produces (the "
+                "experts it hits), each its own small matmul",
+            )
+        )
     said = {
         u.source_class
         for u in [*plan.unfused, *out.unfused]  # plan.unfused holds the copy's lines

@@ -56,3 +56,26 @@ def data_dependent(code: str) -> list[tuple[str, str]]:
 
     cst.parse_module(code).visit(Finder())
     return found
+
+
+def data_loops(code: str) -> list[tuple[str, str]]:
+    """(enclosing class, iterable) for each Python `for` over a data-dependent value
+    (`for expert_idx in expert_hit:` with `expert_hit = ....nonzero()`): one step per
+    expert a batch hits, each its own small matmul."""
+    found: list[tuple[str, str]] = []
+    for cls in cst.parse_module(code).body:
+        if not isinstance(cls, cst.ClassDef):
+            continue
+        for func in m.findall(cls, m.FunctionDef()):
+            dependent = {
+                a.targets[0].target.value
+                for a in m.findall(func, m.Assign(targets=[m.AssignTarget(m.Name())]))
+                if data_dependent(cst.Module([]).code_for_node(a.value))
+            }
+            for loop in m.findall(func, m.For()):
+                text = cst.Module([]).code_for_node(loop.iter)
+                if (
+                    isinstance(loop.iter, cst.Name) and loop.iter.value in dependent
+                ) or data_dependent(text):
+                    found.append((cls.name.value, text))
+    return found
