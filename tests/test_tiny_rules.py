@@ -63,6 +63,19 @@ def test_a_count_of_layers_sized_for_the_full_depth_fits_the_tiny_one():
     check_runs(cls, values)  # raises where the model does not build or run
 
 
+def test_a_layer_type_list_under_the_configs_own_name_fits_the_tiny_depth():
+    # Zamba 2 keeps its layer kinds in `layers_block_type` (aliased as layer_types),
+    # filled for 54 layers by default: a tiny depth of 4 did not validate against it
+    cls = _causal("modeling_zamba2.py")
+    values = tiny.tiny_values(cls.config_class, None, tiny.source_layer_kinds(cls))
+    kinds = values["layers_block_type"]
+    assert set(kinds) == {"linear_attention", "hybrid"}
+    assert values["num_hidden_layers"] == len(kinds)
+    config = cls.config_class(**values)
+    # more hybrid layers than shared blocks: the tiny model ties a block
+    assert len(config.hybrid_layer_ids) > config.num_mem_blocks
+
+
 def test_an_experts_top_k_unset_by_default_is_set_with_the_experts():
     # Gemma 4's MoE block is a switch off by default, with `top_k_experts` None: on,
     # it needs a top-k, and the tiny model builds its router and experts
