@@ -39,7 +39,7 @@ class Roles:
     wrappers: list[tuple[str, object]]  # (inner attribute, wrapper instance)
     layers_attr: str
     layer_classes: list[str]
-    layers_comprehension: cst.ListComp  # `[Layer(...) for i in range(n)]`
+    layers_comprehension: cst.ListComp | None  # `[Layer(...) for i in range(n)]`
     wanted: list[str]  # every class of the source the model may build
     in_layers: set[str]  # classes instantiated inside a decoder layer
     # copied attention classes -> what vLLM's Attention is told for each
@@ -61,6 +61,8 @@ class Roles:
     tables: dict[tuple[str, str], ClassTable] = field(default_factory=dict)
     # module attributes of the causal LM besides the base model and the head
     last_rank_attrs: set[str] = field(default_factory=set)
+    # the base model's method building the layer list, where a comprehension does not
+    layers_method: cst.FunctionDef | None = None
 
     @property
     def wrapper_names(self) -> set[str]:
@@ -196,7 +198,8 @@ def find(source: ModelSource, pymodule, causal_cls, probe: Probe) -> Roles:
         _state_mixers(classes, wanted),
         probe.module_calls,
     )
-    comp = _layers_comprehension(base, layers_attr)
+    method = layers_method(base, layers_attr)
+    comp = None if method is not None else _layers_comprehension(base, layers_attr)
 
     specs = {
         n: attention_args.infer(classes[n], probe.calls_of(n), config, pymodule)
@@ -231,6 +234,7 @@ def find(source: ModelSource, pymodule, causal_cls, probe: Probe) -> Roles:
         layers_attr=layers_attr,
         layer_classes=layer_classes,
         layers_comprehension=comp,
+        layers_method=method,
         wanted=wanted,
         in_layers=in_layers,
         attention=specs,
@@ -352,6 +356,21 @@ def _token_wise(layer, call) -> bool:
     return bool(torch.equal(again[:, 1:], out[:, 1:])) and not torch.equal(
         again[:, :1], out[:, :1]
     )
+
+
+def layers_method(base: ClassInfo, layers_attr: str) -> cst.FunctionDef | None:
+    """The base model's method `self.<layers> = self.<method>()` calls (Zamba 2's
+    `get_layers`), built through `assembly/layer_builder.py`."""
+    value = base.attrs.get(layers_attr)
+    if not m.matches(
+        value, m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name()), args=[])
+    ):
+        return None
+    name = value.func.attr.value
+    for stmt in base.node.body.body:
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == name:
+            return stmt
+    return None
 
 
 def layer_list_name(value: cst.BaseExpression | None) -> str | None:

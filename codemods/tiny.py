@@ -351,6 +351,17 @@ def variants(config_cls, values: dict):
         fixes.append(
             lambda v: v.update({k: dict(v[k], rope_theta=10000.0) for k in subs})
         )
+    head_field = (getattr(config_cls, "attribute_map", {}) or {}).get("head_dim")
+    if head_field in values:
+        # the head size under the config's own name, which the class derives, over as
+        # many kv heads as heads (Zamba 2's q/k/v adapters each span its whole doubled
+        # attention width)
+        def derived_heads(v):
+            v.pop(head_field)
+            if "num_key_value_heads" in v and "num_attention_heads" in v:
+                v["num_key_value_heads"] = v["num_attention_heads"]
+
+        fixes.append(derived_heads)
     drops = [
         n for n in feature_values(config_cls) if n in values and n != "layer_types"
     ]

@@ -16,7 +16,7 @@ from ..copying import head_rows
 from ..copying.classes import CONV1D_HELPER
 from ..copying.definitions import Definitions, closure, copied_text
 from ..plan import Plan
-from . import compile, dead_code, weights
+from . import compile, dead_code, tied_modules, weights
 from .base_model import emit_base
 from .causal_lm import CausalRoles, Loading, emit_causal
 from .imports import imports_for
@@ -244,6 +244,9 @@ def _loading(model: Model, plan: Plan) -> Loading:
         renames, stacking, plan.stacked_params(), fused
     )
     loading = Loading(mapper, methods, stacked=weights_arg == "stacked")
+    if tied_modules.ties_modules(model.roles):
+        loading.methods += tied_modules.loader_methods(model.roles)
+        loading.weights = "self._tied_copies(weights)"
     attends = bool(model.roles.attention)
     for claim in model.claims:
         if (causal := claim.pattern.causal_lm(claim, attends)) is not None:

@@ -17,6 +17,7 @@ from ..copying.inference import inference_folded
 from ..copying.positions import refuse_if_still_used
 from ..errors import CodemodError
 from ..roles import Roles, layer_list_name, layer_loop
+from . import layer_builder
 from .base_forward import base_forward
 from .ranks import KEEP_EVERY_RANK, _flatten, _rank_guard
 
@@ -42,9 +43,10 @@ def emit_base(roles: Roles, ctx: Context, claims: list) -> str:
         f"[{keys}], config.hidden_size)"
     )
     init = "\n".join("        " + line for line in _flatten(body))
-    helpers = "\n".join(
-        textwrap.indent(code(h), "    ") for h in _helper_methods(info, forward)
-    )
+    methods = _helper_methods(info, forward)
+    if roles.layers_method is not None:
+        methods.append(layer_builder.builder_method(roles.layers_method, ctx))
+    helpers = "\n".join(textwrap.indent(code(h), "    ") for h in methods)
     return f"""
 @support_torch_compile
 class {info.name}(nn.Module):
@@ -214,6 +216,8 @@ def _base_init_statement(stmt, roles: Roles, ctx: Context, rewriter) -> list[str
         else:  # the source's embedding class, rebased on VocabParallelEmbedding
             line = code(stmt.visit(rewriter)).strip()
         return _rank_guard(line.splitlines(), "first+tied" if tied else "first", tied)
+    if attr == roles.layers_attr and roles.layers_method is not None:
+        return layer_builder.init_lines(roles.layers_method, attr)
     if attr == roles.layers_attr:
         return _make_layers(roles, attr)
     line = code(stmt.visit(rewriter)).strip()
