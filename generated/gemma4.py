@@ -756,7 +756,7 @@ class Gemma4TextModel(nn.Module):
                     ]
                 )
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], config.hidden_size
+            ["hidden_states", "per_layer_inputs"], config.hidden_size
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -776,18 +776,21 @@ class Gemma4TextModel(nn.Module):
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
-            inputs_embeds = hidden_states
-        per_layer_inputs = None
+            per_layer_inputs = intermediate_tensors["per_layer_inputs"][None]
+        if get_pp_group().is_first_rank:
+            per_layer_inputs = None
         kwargs = {}
         if get_pp_group().is_first_rank:
             if input_ids is not None:
                 inputs_embeds = self.embed_tokens(input_ids)
-        if self.hidden_size_per_layer_input:
-            if per_layer_inputs is None:
-                per_layer_inputs = self.get_per_layer_inputs(input_ids, inputs_embeds)
-            per_layer_inputs = self.project_per_layer_inputs(
-                inputs_embeds, per_layer_inputs
-            )
+            if self.hidden_size_per_layer_input:
+                if per_layer_inputs is None:
+                    per_layer_inputs = self.get_per_layer_inputs(
+                        input_ids, inputs_embeds
+                    )
+                per_layer_inputs = self.project_per_layer_inputs(
+                    inputs_embeds, per_layer_inputs
+                )
         # Create the masks
         causal_mask_mapping = {
             "full_attention": None,
@@ -823,7 +826,12 @@ class Gemma4TextModel(nn.Module):
                 position_ids=position_ids,
             )
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states[0]})
+            return IntermediateTensors(
+                {
+                    "hidden_states": hidden_states[0],
+                    "per_layer_inputs": per_layer_inputs[0],
+                }
+            )
         hidden_states = self.norm(hidden_states)
         return (hidden_states)[0]
 

@@ -113,6 +113,22 @@ def test_nemotron_h_every_block_kind_over_two_pipeline_stages():
     } <= set(out["kinds"])
 
 
+def test_zamba_2_shared_blocks_over_two_pipeline_stages():
+    """Zamba 2: its layers built by its own method, one shared attention block tied
+    over two hybrid layers (one on each stage: each its own KV cache, the tensors saved
+    once), the word embeddings every hybrid layer reads sent from the first stage."""
+    out = verify_json("zamba2", "--pp", "2")
+    assert out["ok"] and out["impl"] == "generated.zamba2:Zamba2ForCausalLM", out
+    assert out["pp"] == 2 and out["tokens_equal"], out
+    assert "use_shared_attention_adapter" in out["features"]
+    assert {"Zamba2HybridLayer", "Zamba2MambaDecoderLayer"} <= set(out["kinds"])
+    # an ill-conditioned tiny model: vLLM is no further from transformers' float64 run
+    # than transformers' own fp32 run is
+    exact = out.get("exact")
+    if exact:
+        assert exact["to_exact"] <= max(1e-4, exact["reference_error"]), out
+
+
 def test_a_per_layer_theta_with_nope_layers():
     """Granite SWA: each layer's theta, 0 for no rope at all."""
     out = verify_json(

@@ -174,3 +174,20 @@ def test_tied_modules_get_the_tensors_saved_once():
         "model.layers.5.shared.w",
         "model.layers.10.shared.w",  # layers.10 is not layers.1
     ]
+
+
+def test_what_the_layers_read_of_the_embeddings_values_travels_between_stages():
+    from codemods.assembly.base_forward import _side_streams
+
+    body = cst.parse_module(
+        "hidden_states = inputs_embeds\n"
+        "original = torch.clone(inputs_embeds)\n"
+        "length = inputs_embeds.shape[1]\n"
+        "for layer in self.layers:\n"
+        "    hidden_states = layer(hidden_states, original, length)\n"
+    ).body
+    prelude, loop = body[:3], body[3]
+    # the clone reads the embeddings' values; the length only their shape
+    assert _side_streams(prelude, loop, ["hidden_states"], {"inputs_embeds"}) == [
+        "original"
+    ]

@@ -184,7 +184,10 @@ def base_forward(roles: Roles, ctx: Context, claims: list) -> tuple[str, list[st
         raise CodemodError(f"cannot generate: {info.name}.forward ends in no return")
     hidden = _returned_hidden(returns[-1].body[0])
     post = [s for s in post if s is not returns[-1]]
-    parts = BaseForward(prelude, loop, post, _carried(info, params, prelude, loop))
+    carried = _carried(info, params, prelude, loop)
+    parts = BaseForward(
+        prelude, loop, post, carried + _side_streams(prelude, loop, carried, params)
+    )
     for claim in claims:
         claim.pattern.base_forward(claim, parts)
     if set(roles.layer_classes) & ctx.positions:
@@ -278,6 +281,49 @@ def _carried(info, params: set[str], prelude, loop) -> list[str]:
     return carried
 
 
+# reading these of the stream is reading its shape, not its values
+_SHAPE_ATTRS = {"shape", "dtype", "device", "size", "ndim", "dim"}
+
+
+def _stream_names(prelude, carried, params: set[str]) -> set[str]:
+    """The names the carried stream is computed from before the loop (`inputs_embeds`)."""
+    needed = set(carried)
+    for stmt in reversed(prelude):
+        if stores(stmt) & needed:
+            needed |= set(loads(stmt))
+    return (needed - params) | {"inputs_embeds"}
+
+
+def _side_streams(prelude, loop, carried: list[str], params: set[str]) -> list[str]:
+    """Names the layers read that the prelude computes from the stream's values, not
+    the stream itself (Zamba 2's `original_hidden_states = torch.clone(inputs_embeds)`,
+    which every hybrid layer reads): a later pipeline stage has only the incoming
+    hidden states in their place, so they travel with them."""
+    stored = {"inputs_embeds"}.union(*(stores(s) for s in prelude))
+    streams = (_stream_names(prelude, carried, params) & stored) - set(carried)
+    read = set(loads(loop.body))
+    out: list[str] = []
+    for stmt in prelude:
+        wanted = (stores(stmt) & read) - set(carried)
+        if not wanted:
+            continue
+        for name in streams:
+            uses = len(m.findall(stmt, m.Name(name)))
+            shapes = len(
+                m.findall(
+                    stmt,
+                    m.Attribute(
+                        value=m.Name(name),
+                        attr=m.OneOf(*(m.Name(a) for a in _SHAPE_ATTRS)),
+                    ),
+                )
+            )
+            if uses > shapes:
+                out += sorted(wanted - set(out))
+                break
+    return out
+
+
 def _pipeline_split(roles: Roles, params: set[str], parts: BaseForward):
     """(for each prelude statement, whether only the first rank runs it; names the
     other ranks alias to the incoming stream).
@@ -293,11 +339,7 @@ def _pipeline_split(roles: Roles, params: set[str], parts: BaseForward):
         a for a, where in roles.placement.items() if where.startswith("first")
     }
     first_modules.add(roles.vocab_attr.split(".")[0])
-    needed = set(carried)
-    for stmt in reversed(prelude):
-        if stores(stmt) & needed:
-            needed |= set(loads(stmt))
-    stream_names = (needed - params) | {"inputs_embeds"}
+    stream_names = _stream_names(prelude, carried, params)
     unavailable: set[str] = set()
     first_only = []
     for stmt in prelude:
