@@ -204,7 +204,7 @@ def mixed_layer_types(kinds: list[str] | None) -> list[str]:
     return [kinds[i % len(kinds)] for i in range(max(4, len(kinds)))]
 
 
-def _fit_layer_kinds(values: dict, fields: dict, field: str | None) -> None:
+def fit_layer_kinds(values: dict, fields: dict, field: str | None) -> None:
     """A layer-type list under the config's own name (Zamba 2's `layers_block_type`)
     that its class fills for the full depth: the kinds of that default mixed over the
     tiny depth, which would not validate against it."""
@@ -263,7 +263,7 @@ def tiny_values(
     if "layer_types" in values:
         values["layer_types"] = mixed_layer_types(layer_kinds)
         values["num_hidden_layers"] = len(values["layer_types"])
-    _fit_layer_kinds(values, fields, alias.get("layer_types"))
+    fit_layer_kinds(values, fields, alias.get("layer_types"))
     if "num_hidden_layers" in values:
         _fit_counts(values, fields, values["num_hidden_layers"])
     ids = {k: fields.get(k) for k in TOKEN_IDS}

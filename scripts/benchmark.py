@@ -306,6 +306,10 @@ def config_sizes(config_cls, sizes: dict) -> tuple[dict, list[str]]:
     attribute_map = getattr(config_cls, "attribute_map", {}) or {}
     kwargs, skipped = {}, []
     for name, value in sizes.items():
+        if name == "head_dim" and name in attribute_map:
+            # a head size the class derives under its own name (Zamba 2's, from its
+            # doubled attention width): left to it
+            continue
         names = (name, attribute_map.get(name), *SIZE_ALIASES.get(name, ()))
         field = next((n for n in names if n and n in fields), None)
         if field is None:
@@ -327,12 +331,15 @@ def config_sizes(config_cls, sizes: dict) -> tuple[dict, list[str]]:
 def build_checkpoint(causal_cls, sizes: dict, out_dir: str, seed: int, dtype) -> dict:
     import torch
 
-    from codemods.tiny import fit_latent_attention
+    from codemods.tiny import fit_latent_attention, fit_layer_kinds
 
     config_cls = causal_cls.config_class
     kwargs, skipped = config_sizes(config_cls, sizes)
     defaults = config_cls().to_dict()
     fit_latent_attention(kwargs, defaults)
+    # a layer-type list under the class's own name, filled for its full depth
+    attribute_map = getattr(config_cls, "attribute_map", {}) or {}
+    fit_layer_kinds(kwargs, defaults, attribute_map.get("layer_types"))
     torch.manual_seed(seed)
     try:
         config = config_cls(**kwargs)
