@@ -44,6 +44,7 @@ def body_bytes(model) -> int:
         for name, p in mod.named_parameters(recurse=False):
             if id(p) in skip:
                 continue
+            skip.add(id(p))  # a tied parameter (Zamba 2's shared blocks) counts once
             count = p.numel()
             if not count and name == "weight" and hasattr(mod, "input_size"):
                 # vLLM's CPU build repacks a linear's weight out of the parameter:

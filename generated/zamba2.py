@@ -44,6 +44,7 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
@@ -100,6 +101,44 @@ def vllm_attention(
         value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
     out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
     return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
+
+
+def share_tied_weights(model: nn.Module) -> None:
+    # the copies of a module the source ties hold one set of weights: each copy on this
+    # stage takes the first one's weight-holding modules, keeping its own attention
+    groups: dict[str, list[str]] = {}
+    for copy, target in model._tied_weights_keys.items():
+        groups.setdefault(target, [target]).append(copy)
+    for names in groups.values():
+        here = [
+            model.get_submodule(n) for n in names if not _on_another_stage(model, n)
+        ]
+        for copy in here[1:]:
+            _take_weights(here[0], copy)
+
+
+def _on_another_stage(model: nn.Module, name: str) -> bool:
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        if isinstance(model.get_submodule(".".join(parts[:i])), PPMissingLayer):
+            return True
+    return False
+
+
+def _keyed(module: nn.Module) -> bool:
+    # a layer vLLM keys by its path (attention, a Mamba mixer: their caches), or one
+    # holding such a layer
+    return any(isinstance(m, AttentionLayerBase) for m in module.modules())
+
+
+def _take_weights(holder: nn.Module, copy: nn.Module) -> None:
+    for name, child in list(copy.named_children()):
+        if _keyed(child):
+            _take_weights(getattr(holder, name), child)
+        else:
+            setattr(copy, name, getattr(holder, name))
+    for name in list(copy._parameters):
+        copy._parameters[name] = holder._parameters[name]
 
 
 def with_sharded_bias(mixer: MambaMixer2) -> MambaMixer2:
@@ -719,6 +758,7 @@ class Zamba2Model(nn.Module):
             lambda prefix: layer_builders[extract_layer_index(prefix)](prefix),
             prefix=f"{prefix}.layers",
         )
+        share_tied_weights(self)
         self._attn_implementation = config._attn_implementation
         if get_pp_group().is_last_rank:
             self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)

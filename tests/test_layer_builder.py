@@ -191,3 +191,43 @@ def test_what_the_layers_read_of_the_embeddings_values_travels_between_stages():
     assert _side_streams(prelude, loop, ["hidden_states"], {"inputs_embeds"}) == [
         "original"
     ]
+
+
+def test_tied_copies_hold_one_set_of_weights_and_keep_their_own_attention():
+    import textwrap
+
+    import torch
+    from torch import nn
+
+    class AttentionLayerBase(nn.Module):
+        pass
+
+    class PPMissingLayer(nn.Module):
+        pass
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+            self.inner = nn.Module()
+            self.inner.attn = AttentionLayerBase()
+            self.inner.out = nn.Linear(2, 2)
+            self.scale = nn.Parameter(torch.ones(1))
+
+    scope = {
+        "nn": nn,
+        "AttentionLayerBase": AttentionLayerBase,
+        "PPMissingLayer": PPMissingLayer,
+    }
+    exec(textwrap.dedent(tied_modules.SHARE_TIED), scope)
+    model = nn.Module()
+    model.layers = nn.ModuleList([PPMissingLayer(), Block(), Block(), Block()])
+    model._tied_weights_keys = {"layers.2": "layers.0", "layers.3": "layers.0"}
+    scope["share_tied_weights"](model)
+    # layers.0 is on another stage: the first copy here (layers.1) holds the weights
+    first, second = model.layers[2], model.layers[3]
+    assert first.proj is second.proj and first.inner.out is second.inner.out
+    assert first.scale is second.scale
+    assert first.inner.attn is not second.inner.attn  # each its own KV cache
+    assert model.layers[1].proj is not first.proj  # not tied: its own weights
+    assert len(list(model.parameters())) == 5 + 5  # layers.1, and one set for 2 and 3

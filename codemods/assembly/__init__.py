@@ -207,6 +207,8 @@ def _helpers(ctx, pieces: dict[str, str], claims) -> str:
         helper += CONV1D_HELPER
     if any("shard_head_rows(" in text for text in pieces.values()):
         helper += head_rows.HELPER
+    if any("share_tied_weights(" in text for text in pieces.values()):
+        helper += tied_modules.SHARE_TIED
     for text in dict.fromkeys(t for c in claims for t in c.pattern.helpers(c)):
         helper += text
     return helper

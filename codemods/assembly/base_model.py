@@ -17,7 +17,7 @@ from ..copying.inference import inference_folded
 from ..copying.positions import refuse_if_still_used
 from ..errors import CodemodError
 from ..roles import Roles, layer_list_name, layer_loop
-from . import layer_builder
+from . import layer_builder, tied_modules
 from .base_forward import base_forward
 from .ranks import KEEP_EVERY_RANK, _flatten, _rank_guard
 
@@ -217,7 +217,9 @@ def _base_init_statement(stmt, roles: Roles, ctx: Context, rewriter) -> list[str
             line = code(stmt.visit(rewriter)).strip()
         return _rank_guard(line.splitlines(), "first+tied" if tied else "first", tied)
     if attr == roles.layers_attr and roles.layers_method is not None:
-        return layer_builder.init_lines(roles.layers_method, attr)
+        return layer_builder.init_lines(
+            roles.layers_method, attr
+        ) + tied_modules.init_lines(roles)
     if attr == roles.layers_attr:
         return _make_layers(roles, attr)
     line = code(stmt.visit(rewriter)).strip()

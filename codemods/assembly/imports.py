@@ -35,6 +35,7 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "vllm.model_executor.layers.attention.chunked_local_attention",
         ("ChunkedLocalAttention",),
     ),
+    ("vllm.model_executor.layers.attention_layer_base", ("AttentionLayerBase",)),
     ("vllm.model_executor.layers.fused_moe", ("FusedMoEFactory", "GateLinear")),
     ("vllm.model_executor.layers.layernorm", ("GemmaRMSNorm", "RMSNorm")),
     (
