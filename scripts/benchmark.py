@@ -328,7 +328,18 @@ def config_sizes(config_cls, sizes: dict) -> tuple[dict, list[str]]:
     return kwargs, skipped
 
 
-def build_checkpoint(causal_cls, sizes: dict, out_dir: str, seed: int, dtype) -> dict:
+def parse_overrides(items: list[str]) -> dict:
+    """`--override KEY=JSON` (as verify takes them)."""
+    out = {}
+    for item in items or []:
+        key, _, value = item.partition("=")
+        out[key] = json.loads(value)
+    return out
+
+
+def build_checkpoint(
+    causal_cls, sizes: dict, out_dir: str, seed: int, dtype, overrides=None
+) -> dict:
     import torch
 
     from codemods.tiny import fit_latent_attention, fit_layer_kinds
@@ -340,6 +351,7 @@ def build_checkpoint(causal_cls, sizes: dict, out_dir: str, seed: int, dtype) ->
     # a layer-type list under the class's own name, filled for its full depth
     attribute_map = getattr(config_cls, "attribute_map", {}) or {}
     fit_layer_kinds(kwargs, defaults, attribute_map.get("layer_types"))
+    kwargs.update(overrides or {})
     torch.manual_seed(seed)
     try:
         config = config_cls(**kwargs)
@@ -480,7 +492,12 @@ def checkpoint_job(job: dict) -> dict:
     causal = causal_class(model["source"], model["hf_arch"])
     dtype = getattr(torch, job["settings"]["dtype"])
     ckpt = build_checkpoint(
-        causal, job["settings"]["sizes"], job["dir"], job["seed"], dtype
+        causal,
+        job["settings"]["sizes"],
+        job["dir"],
+        job["seed"],
+        dtype,
+        model.get("overrides"),
     )
     prime = [model["generated_arch"], "TransformersForCausalLM"]
     prime_model_info(prime + ([model["hf_arch"]] if model["native_class"] else []))
@@ -794,7 +811,13 @@ def machine_line(results: dict) -> str:
 def model_cell(key: str, model: dict) -> str:
     """The model's name, and when the committed file is not the one the row ran."""
     recorded, when = model.get("file_sha256"), model.get("date")
-    if recorded and recorded == current_sha(key):
+    if model.get("overrides"):
+        key += (
+            " ("
+            + ", ".join(f"{k}={json.dumps(v)}" for k, v in model["overrides"].items())
+            + ")"
+        )
+    if recorded and recorded == current_sha(key.split(" ")[0]):
         return key
     if recorded:
         return f"{key} (ran {when} on an earlier file)"
@@ -1157,6 +1180,14 @@ def parse_args(argv: list[str] | None):
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="set a config field of every model this run builds (repeatable); the "
+        "rows name it (a native class that needs it: zamba2's kv heads = heads)",
+    )
+    parser.add_argument(
         "--eager",
         action=argparse.BooleanOptionalAction,
         help="enforce_eager (default: on for CPU, where torch.compile adds ~35 s to every "
@@ -1213,8 +1244,11 @@ def benchmark_models(
     """Per model: build its checkpoint, run every implementation on it, delete it;
     `done(key, runs)` after each (the results saved so far)."""
     runs = []
+    overrides = parse_overrides(args.override)
     for key, model in models.items():
         model.update(date=time.strftime("%Y-%m-%d"), repeats=settings["repeats"])
+        if overrides:
+            model["overrides"] = overrides
         if "error" in model:
             done(key, [])
             continue
@@ -1294,6 +1328,7 @@ def main(argv: list[str] | None = None) -> int:
         args.models = ",".join(pending["models"])
         args.repeats, args.quick = pending["repeats"], pending["quick"]
         args.no_toolkit = args.no_toolkit or pending["toolkit_done"]
+        args.override = pending.get("overrides", [])
         print(f"resuming: {args.models}", flush=True)
     began = time.perf_counter()
     set_env()
@@ -1354,6 +1389,7 @@ def main(argv: list[str] | None = None) -> int:
                     "repeats": settings["repeats"],
                     "quick": settings["preset"] == "quick",
                     "toolkit_done": True,
+                    "overrides": args.override,
                 }
             path.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -160,3 +160,15 @@ def test_the_readme_section_is_rendered_from_the_committed_results():
     assert default <= set(committed["models"]), sorted(
         default - set(committed["models"])
     )
+
+
+def test_a_row_built_with_an_override_names_it():
+    assert bench.parse_overrides(["num_key_value_heads=4", 'x="a=b"']) == {
+        "num_key_value_heads": 4,
+        "x": "a=b",
+    }
+    committed = bench.current_sha("qwen3")
+    cell = bench.model_cell(
+        "qwen3", {"file_sha256": committed, "overrides": {"num_key_value_heads": 4}}
+    )
+    assert cell == "qwen3 (num_key_value_heads=4)"
