@@ -42,8 +42,6 @@ def compare_to_exact(causal_cls, ckpt, prompts, ref, ran, max_tokens: int, compa
         exact = reference.greedy_with_logprobs(model, prompts, max_tokens)
     except Exception:  # noqa: BLE001 - an op without a float64 kernel: no exact run
         return None
-    finally:
-        model = None
     if any(e[0] != r[0] for e, r in zip(exact, ref)):
         return None
     to_exact, _ = compare(prompts, exact, ran)

@@ -329,12 +329,10 @@ def config_sizes(config_cls, sizes: dict) -> tuple[dict, list[str]]:
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """`--override KEY=JSON` (as verify takes them)."""
-    out = {}
-    for item in items or []:
-        key, _, value = item.partition("=")
-        out[key] = json.loads(value)
-    return out
+    """`--override KEY=JSON`, read as verify reads them (its one-line errors)."""
+    from codemods.verify import parse_override
+
+    return dict(parse_override(item) for item in items or [])
 
 
 def build_checkpoint(
@@ -1244,7 +1242,7 @@ def benchmark_models(
     """Per model: build its checkpoint, run every implementation on it, delete it;
     `done(key, runs)` after each (the results saved so far)."""
     runs = []
-    overrides = parse_overrides(args.override)
+    overrides = args.overrides
     for key, model in models.items():
         model.update(date=time.strftime("%Y-%m-%d"), repeats=settings["repeats"])
         if overrides:
@@ -1330,6 +1328,13 @@ def main(argv: list[str] | None = None) -> int:
         args.no_toolkit = args.no_toolkit or pending["toolkit_done"]
         args.override = pending.get("overrides", [])
         print(f"resuming: {args.models}", flush=True)
+    from codemods.errors import CodemodError
+
+    try:
+        args.overrides = parse_overrides(args.override)
+    except CodemodError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     began = time.perf_counter()
     set_env()
     if os.getloadavg()[0] > 0.5:
