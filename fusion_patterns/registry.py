@@ -20,9 +20,11 @@ from .residual_norm import ResidualFold
 from .routed_experts import RoutedExperts
 from .rms_norm import RMSNormPattern
 from .rotary import Rope
+from .short_conv import ShortConvPattern
 
 PATTERNS = (
     Mamba2(),
+    ShortConvPattern(),
     RMSNormPattern(),
     MoE(),
     RoutedExperts(),

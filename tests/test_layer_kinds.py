@@ -40,15 +40,19 @@ def _cover(name: str):
     return layer_kinds.cover(causal, src.module, classes, tiny.working_values(causal))
 
 
-def test_lfm2_builds_its_short_convolution_and_is_out_of_scope():
+def test_lfm2_builds_its_short_convolution_beside_attention():
     found = _cover("modeling_lfm2.py")
     types = found.primary["layer_types"]
     assert {"conv", "full_attention"} <= set(types)  # a layer on each side
     assert {"Lfm2ShortConv", "Lfm2Attention"} <= found.built[0]
-    result = run_cli("codemods.apply", "modeling_lfm2.py", "--check")
+
+
+def test_a_stateful_mixer_no_pattern_maps_is_out_of_scope():
+    result = run_cli("codemods.apply", "modeling_olmo_hybrid.py", "--check")
     assert result.returncode == 2
     assert (
-        "out of scope: Lfm2ShortConv keeps state across decode steps" in result.stderr
+        "out of scope: OlmoHybridGatedDeltaNet keeps state across decode steps"
+        in result.stderr
     )
     assert "nn.Conv1d" in result.stderr
 

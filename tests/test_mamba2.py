@@ -234,7 +234,8 @@ def test_the_state_shapes_are_the_mixers_and_equal_vllms_own_granite(tp):
         GraniteMoeHybridForCausalLM,
     )
 
-    from fusion_patterns.mamba2.emit import state_methods
+    from fusion_patterns.mamba2.emit import state_shape
+    from fusion_patterns.state_layers import MAMBA2, state_methods
 
     info, _, config = _mixer("granitemoehybrid")
     space = {
@@ -244,7 +245,7 @@ def test_the_state_shapes_are_the_mixers_and_equal_vllms_own_granite(tp):
     }
     exec(
         "class Generated:\n"
-        + textwrap.indent(textwrap.dedent(state_methods(match(info))), "    "),
+        + textwrap.indent(textwrap.dedent(state_methods(MAMBA2, state_shape(match(info)))), "    "),
         space,
     )
     vllm_config = SimpleNamespace(

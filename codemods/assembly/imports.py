@@ -14,6 +14,7 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("transformers.core_model_loading", ("WeightRenaming",)),
     ("itertools", ("islice",)),
     ("torch", ("nn",)),
+    ("types", ("SimpleNamespace",)),
     ("vllm.compilation.decorators", ("support_torch_compile",)),
     ("vllm.config", ("CacheConfig", "VllmConfig", "get_current_vllm_config")),
     (
@@ -58,6 +59,7 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "MambaStateShapeCalculator",
         ),
     ),
+    ("vllm.model_executor.layers.mamba.short_conv", ("ShortConv",)),
     (
         "vllm.model_executor.layers.mla",
         ("MLAModules", "MultiHeadLatentAttentionWrapper"),

@@ -17,7 +17,6 @@ import libcst.matchers as m
 
 from ..base import (
     CONSTRUCTION,
-    CausalHook,
     Claim,
     ClassInfo,
     FusionRecord,
@@ -25,11 +24,11 @@ from ..base import (
     Pattern,
     PatternRefused,
     Refusal,
-    branch_keys,
     code,
     refused_by,
 )
 from ..moe.match import resolve
+from ..state_layers import MAMBA2, call_sites, causal_hook, first_input
 from . import emit
 from .match import NAME, VLLM_CLASS, WHAT, Mamba2Spec, match
 from .proof import prove
@@ -59,7 +58,7 @@ class Mamba2(Pattern):
                     raise PatternRefused("the tiny model never builds it")
                 spec = replace(spec, out_scale_value=_out_scale_value(spec, model))
                 spec = replace(spec, unproven=prove(spec, inst, model.config))
-                sites = _call_sites(model, n)
+                sites = call_sites(model, n)
                 if not sites:
                     raise PatternRefused("no copied module calls it")
                 for call in sites:
@@ -110,13 +109,7 @@ class Mamba2(Pattern):
         )
 
     def causal_lm(self, claim: Claim, attends: bool) -> CausalHook:
-        # beside attention, vLLM aligns the state pages with the KV pages (IsHybrid);
-        # alone (Mamba 2), the model has no KV cache at all (IsAttentionFree)
-        return CausalHook(
-            ("HasInnerState", "IsHybrid" if attends else "IsAttentionFree"),
-            emit.state_methods(claim.spec),
-            vllm_config="" if attends else "MambaModelConfig",
-        )
+        return causal_hook(MAMBA2, emit.state_shape(claim.spec), attends)
 
 
 # the checkpoint holds A_log; MambaMixer2 holds A, its weight loader taking -exp(A_log)
@@ -189,42 +182,10 @@ def _locals_put_back(expr: cst.BaseExpression, func: cst.FunctionDef) -> str:
     return text
 
 
-def _call_sites(model, cls: str) -> list[cst.Call]:
-    """Every `self.<attr>(...)` of a copied module whose `<attr>` holds `cls` (for an
-    attribute built from a class table, the calls in `cls`'s branch)."""
-    calls = []
-    for owner in model.roles.wanted:
-        info = model.classes[owner]
-        if info.forward is None:
-            continue
-        branches = branch_keys(info.forward)
-        for attr in info.attrs:
-            table = model.roles.tables.get((owner, attr))
-            if table is None and cls not in info.constructed_classes(attr):
-                continue
-            calls += [
-                call
-                for call in m.findall(
-                    info.forward,
-                    m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(attr))),
-                )
-                if table is None or table.class_at(branches.get(id(call))) == cls
-            ]
-    return calls
-
-
 def _hidden(spec: Mamba2Spec, call: cst.Call) -> cst.BaseExpression:
     """The hidden states a call hands the mixer (its forward's first parameter), a
     name: the call site reads it twice."""
-    params = [p.name.value for p in spec.info.forward.params.params][1:]
-    first = params[0] if params else "hidden_states"
-    for i, arg in enumerate(call.args):
-        if (arg.keyword is None and i == 0 and not arg.star) or (
-            arg.keyword is not None and arg.keyword.value == first
-        ):
-            if isinstance(arg.value, (cst.Name, cst.Attribute)):
-                return arg.value
-            raise PatternRefused(
-                f"it is called on an expression ({code(arg.value)}), not a name"
-            )
-    raise PatternRefused(f"a call hands it no {first}")
+    value = first_input(spec.info, call)
+    if isinstance(value, (cst.Name, cst.Attribute)):
+        return value
+    raise PatternRefused(f"it is called on an expression ({code(value)}), not a name")

@@ -101,34 +101,9 @@ def folded_scales(spec: Mamba2Spec, scopes: list[str]) -> str:
 """
 
 
-def state_methods(spec: Mamba2Spec) -> str:
-    """The causal LM's classmethods vLLM sizes and copies the state cache with."""
-    shape = ",\n            ".join(
-        f"{arg}={code(spec.args[k])}" for k, arg in SHAPE_ARGS.items()
-    )
-    return f"""
-    @classmethod
-    def get_mamba_state_dtype_from_config(cls, vllm_config):
-        return MambaStateDtypeCalculator.mamba2_state_dtype(
-            vllm_config.model_config.dtype,
-            vllm_config.cache_config.mamba_cache_dtype,
-            vllm_config.cache_config.mamba_ssm_cache_dtype,
-        )
-
-    @classmethod
-    def get_mamba_state_shape_from_config(cls, vllm_config):
-        # the expressions the mixer is built with, on the same config
-        config = vllm_config.model_config.hf_text_config
-        return MambaStateShapeCalculator.mamba2_state_shape(
-            {shape},
-            tp_world_size=vllm_config.parallel_config.tensor_parallel_size,
-            num_spec=vllm_config.num_speculative_tokens,
-        )
-
-    @classmethod
-    def get_mamba_state_copy_func(cls):
-        return MambaStateCopyFuncCalculator.mamba2_state_copy_func()
-"""
+def state_shape(spec: Mamba2Spec) -> dict[str, str]:
+    """The state cache's shape arguments: the expressions the mixer is built with."""
+    return {arg: code(spec.args[k]) for k, arg in SHAPE_ARGS.items()}
 
 
 # the source clamps dt = softplus(dt + dt_bias) from below; vLLM's scan does not

@@ -13,13 +13,12 @@ kernel and than one SSD chunk.
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import os
-import re
 import traceback
 
 from ..base import PatternRefused, code
+from ..state_layers import config_flags, flipped, rebuilt
 from .match import Mamba2Spec
 
 STEPS = 8
@@ -104,43 +103,9 @@ def _prove_one(spec: Mamba2Spec, module, config, steps: int) -> None:
         )
 
 
-def _flags(spec: Mamba2Spec, config) -> list[str]:
-    """The boolean config fields the mixer's `__init__` reads."""
-    names = re.findall(r"\bconfig\.(\w+)", code(spec.info.init))
-    return [
-        n for n in dict.fromkeys(names) if isinstance(getattr(config, n, None), bool)
-    ]
-
-
-def _flipped(config, *names: str):
-    config = copy.deepcopy(config)
-    for n in names:
-        setattr(config, n, not getattr(config, n))
-    return config
-
-
-def _rebuilt(module, config):
-    """The mixer's class built anew on `config` (its other constructor parameters as
-    the instance has them), with the buffers its owner registered on it."""
-    params = inspect.signature(type(module).__init__).parameters
-    kwargs = {}
-    for name, p in list(params.items())[1:]:
-        if name == "config":
-            kwargs[name] = config
-        elif hasattr(module, name):
-            kwargs[name] = getattr(module, name)
-        elif p.default is inspect.Parameter.empty:
-            raise PatternRefused(f"cannot rebuild it without its {name}")
-    fresh = type(module)(**kwargs)
-    for name, buf in module.named_buffers(recurse=False):
-        if name not in dict(fresh.named_buffers(recurse=False)):
-            fresh.register_buffer(name, buf.clone(), persistent=False)
-    return fresh
-
-
 def _holds(spec: Mamba2Spec, module, config, steps: int) -> bool:
     try:
-        _prove_one(spec, _rebuilt(module, config), config, steps)
+        _prove_one(spec, rebuilt(module, config), config, steps)
     except PatternRefused:
         return False
     return True
@@ -150,8 +115,8 @@ def _unproven_flags(spec: Mamba2Spec, module, config, steps: int) -> tuple:
     """Each flag whose other value the proof refuses, with the other flags' values under
     which it does (a flag that only matters beside another: the norm's order, where the
     norm is built at all)."""
-    flags = _flags(spec, config)
-    holds = {f: _holds(spec, module, _flipped(config, f), steps) for f in flags}
+    flags = config_flags(spec.info, config)
+    holds = {f: _holds(spec, module, flipped(config, f), steps) for f in flags}
     out = []
     for f in flags:
         if holds[f]:
@@ -159,7 +124,7 @@ def _unproven_flags(spec: Mamba2Spec, module, config, steps: int) -> tuple:
         rescued = [
             g
             for g in flags
-            if g != f and _holds(spec, module, _flipped(config, f, g), steps)
+            if g != f and _holds(spec, module, flipped(config, f, g), steps)
         ]
         combo = {f: not getattr(config, f)}
         combo.update({g: getattr(config, g) for g in rescued})

@@ -1,0 +1,198 @@
+"""The short convolution's proof: the source module over a prefill and then single
+decode steps with transformers' cache carrying its conv state, against what vLLM's
+`ShortConv` computes at one rank (its own causal-conv ops, the ones its forward calls on
+this platform, `C * conv(B * x)` between its projections) on the same weights, the conv
+state carried in vLLM's layout from step to step.
+
+The prompt is longer than the kernel, so a kernel off by one or a state dropped between
+steps changes what the decode steps see.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import traceback
+
+from ..base import PatternRefused, code
+from ..state_layers import config_flags, flipped, rebuilt
+from .match import ShortConvSpec
+
+STEPS = 8
+TOLERANCE = 1e-4  # the conv sums its taps in another order on each side
+# the source's cache parameter, under the names transformers' mixers give it
+_CACHE_PARAMS = ("past_key_values", "cache_params", "past_key_value")
+
+
+def sizes(spec: ShortConvSpec, config) -> dict:
+    """ShortConv's `dim`, `conv_L_cache` and `conv_bias` evaluated on `config`."""
+    env = {"config": config}
+    try:
+        return {
+            k: eval(code(getattr(spec, k)), env)  # noqa: S307
+            for k in ("dim", "kernel", "bias")
+        }
+    except Exception as exc:  # noqa: BLE001 - an expression the config cannot give
+        raise PatternRefused(f"its sizes do not evaluate on the config: {exc}") from exc
+
+
+def prove(spec: ShortConvSpec, module, config, steps: int = STEPS) -> None:
+    """Proven on `config`, then with each boolean config field the mixer's `__init__`
+    reads flipped (the mixer rebuilt): vLLM's layer reads the same fields."""
+    _prove_one(spec, module, config, steps)
+    for flag in config_flags(spec.info, config):
+        other = flipped(config, flag)
+        try:
+            _prove_one(spec, rebuilt(module, other), other, steps)
+        except PatternRefused as exc:
+            raise PatternRefused(
+                f"with config.{flag}={getattr(other, flag)}: {exc}"
+            ) from exc
+
+
+def _prove_one(spec: ShortConvSpec, module, config, steps: int) -> None:
+    import torch
+
+    from ..dataflow import require_close
+
+    args = sizes(spec, config)
+    _check_shapes(spec, module, args)
+    module = _randomised(module, spec)
+    prompt = args["kernel"] + 5
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, prompt + steps, args["dim"], generator=gen)
+    try:
+        want = _source(module, config, x, prompt)
+        got = _vllm(module, spec, args, x[0], prompt)
+    except PatternRefused:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a side that cannot run: not proven
+        if os.environ.get("CODEMODS_DEBUG"):
+            traceback.print_exc()
+        what = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        raise PatternRefused(f"the comparison could not run: {what}") from exc
+    require_close(got[:prompt], want[:prompt], "the conv over the prompt", TOLERANCE)
+    for i in range(steps):
+        t = prompt + i
+        require_close(
+            got[t], want[t], f"decode step {i + 1} (conv state carried)", TOLERANCE
+        )
+
+
+def _check_shapes(spec: ShortConvSpec, module, args: dict) -> None:
+    dim, kernel = args["dim"], args["kernel"]
+    conv = getattr(module, spec.conv)
+    expect = {
+        "the in-projection's width": (
+            getattr(module, spec.in_proj).out_features,
+            3 * dim,
+        ),
+        "the in-projection's input": (getattr(module, spec.in_proj).in_features, dim),
+        "the out-projection's input": (getattr(module, spec.out_proj).in_features, dim),
+        "the out-projection's width": (
+            getattr(module, spec.out_proj).out_features,
+            dim,
+        ),
+        "the conv's weight": (tuple(conv.weight.shape), (dim, 1, kernel)),
+    }
+    for what, (have, want) in expect.items():
+        if have != want:
+            raise PatternRefused(
+                f"{what} is {have}, the sizes it was read with give {want}"
+            )
+
+
+def _randomised(module, spec: ShortConvSpec):
+    import torch
+
+    module = copy.deepcopy(module).float().eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in getattr(module, spec.conv).parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / 2)
+    return module
+
+
+def _source(module, config, x, prompt: int):
+    """[tokens, hidden]: the prompt in one call, then one call per token, the cache
+    carrying the conv state (the source's own decode path)."""
+    import torch
+    from transformers import DynamicCache
+
+    params = inspect.signature(module.forward).parameters
+    name = next((p for p in _CACHE_PARAMS if p in params), None)
+    if name is None:
+        raise PatternRefused(
+            "its forward takes no cache (none of "
+            + ", ".join(_CACHE_PARAMS)
+            + "): its decode path cannot be run"
+        )
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        outs = [module(x[:, :prompt], **{name: cache})]
+        for t in range(prompt, x.shape[1]):
+            outs.append(module(x[:, t : t + 1], **{name: cache}))
+    return torch.cat([o.reshape(-1, o.shape[-1]) for o in outs], dim=0)
+
+
+def _vllm(module, spec: ShortConvSpec, args: dict, x, prompt: int):
+    """[tokens, hidden]: what ShortConv's forward computes at one rank, its prefill
+    branch over the prompt and its decode branch per token."""
+    import torch
+    import torch.nn.functional as F
+
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():  # ShortConv.forward_native's ops
+        from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import (
+            causal_conv1d_fn_cpu as conv_fn,
+        )
+        from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import (
+            causal_conv1d_update_cpu as conv_update,
+        )
+    else:  # its forward_cuda's
+        from vllm.model_executor.layers.mamba.ops.causal_conv1d import (
+            causal_conv1d_fn as conv_fn,
+        )
+        from vllm.model_executor.layers.mamba.ops.causal_conv1d import (
+            causal_conv1d_update as conv_update,
+        )
+
+    in_proj, conv, out_proj = (
+        getattr(module, a) for a in (spec.in_proj, spec.conv, spec.out_proj)
+    )
+    dim, kernel = args["dim"], args["kernel"]
+    weights = conv.weight.view(dim, kernel)
+    # two state blocks, the request in block 1 (vLLM keeps block 0 as its null block)
+    conv_state = torch.zeros(2, dim, kernel - 1)
+    slot = torch.tensor([1], dtype=torch.int32)
+    outs = []
+    with torch.no_grad():
+        B, C, h = F.linear(x[:prompt], in_proj.weight, in_proj.bias).chunk(3, dim=-1)
+        y = conv_fn(
+            (B * h).transpose(0, 1).contiguous(),
+            weights,
+            conv.bias,
+            conv_states=conv_state,
+            query_start_loc=torch.tensor([0, prompt], dtype=torch.int32),
+            cache_indices=slot,
+            has_initial_state=torch.tensor([False]),
+            activation=None,
+            metadata=None,
+        ).transpose(0, 1)[:prompt]
+        outs.append(F.linear(C * y, out_proj.weight, out_proj.bias))
+        for t in range(prompt, x.shape[0]):
+            B, C, h = F.linear(x[t : t + 1], in_proj.weight, in_proj.bias).chunk(
+                3, dim=-1
+            )
+            y = conv_update(
+                (B * h).contiguous(),
+                conv_state,
+                weights,
+                conv.bias,
+                activation=None,
+                conv_state_indices=slot,
+            )
+            outs.append(F.linear(C * y, out_proj.weight, out_proj.bias))
+    return torch.cat(outs, dim=0)

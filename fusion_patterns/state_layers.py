@@ -1,0 +1,155 @@
+"""The frame the stateful-mixer patterns share (Mamba-2, short convolutions, Mamba-1):
+where copied modules call a mixer, and the causal LM's classmethods vLLM sizes, types
+and copies the state cache with, one table row per mixer kind.
+
+Each kind names vLLM's `MambaState*Calculator` methods for it and which arguments its
+shape takes; the pattern gives the shape's values as the source's expressions over
+`config`, the same expressions its layer is built with, so the cache and the layer
+cannot disagree.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+from dataclasses import dataclass
+
+import libcst as cst
+import libcst.matchers as m
+
+from .base import CausalHook, PatternRefused, branch_keys, code
+
+
+@dataclass(frozen=True)
+class StateKind:
+    """One mixer kind's state cache, as vLLM's `mamba_utils` calculators give it."""
+
+    name: str  # the calculators' method prefix: `<name>_state_shape`
+    # the dtype calculator takes the SSM state's dtype too (a conv state alone does not)
+    ssm_dtype: bool
+    # the shape calculator takes the number of speculative tokens
+    num_spec: bool
+
+
+MAMBA1 = StateKind("mamba1", ssm_dtype=True, num_spec=False)
+MAMBA2 = StateKind("mamba2", ssm_dtype=True, num_spec=True)
+SHORT_CONV = StateKind("short_conv", ssm_dtype=False, num_spec=True)
+
+
+def state_methods(kind: StateKind, shape: dict[str, str]) -> str:
+    """The causal LM's classmethods: `shape` maps the shape calculator's keywords to
+    expressions over `config` (the model's text config)."""
+    dtypes = [
+        "vllm_config.model_config.dtype",
+        "vllm_config.cache_config.mamba_cache_dtype",
+    ]
+    if kind.ssm_dtype:
+        dtypes.append("vllm_config.cache_config.mamba_ssm_cache_dtype")
+    args = [f"{k}={v}" for k, v in shape.items()]
+    args.append("tp_world_size=vllm_config.parallel_config.tensor_parallel_size")
+    if kind.num_spec:
+        args.append("num_spec=vllm_config.num_speculative_tokens")
+    sep = ",\n            "
+    return f"""
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config):
+        return MambaStateDtypeCalculator.{kind.name}_state_dtype(
+            {sep.join(dtypes)},
+        )
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config):
+        # the expressions the mixer is built with, on the same config
+        config = vllm_config.model_config.hf_text_config
+        return MambaStateShapeCalculator.{kind.name}_state_shape(
+            {sep.join(args)},
+        )
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return MambaStateCopyFuncCalculator.{kind.name}_state_copy_func()
+"""
+
+
+def causal_hook(kind: StateKind, shape: dict[str, str], attends: bool) -> CausalHook:
+    """Beside attention, vLLM aligns the state pages with the KV pages (IsHybrid);
+    alone (Mamba), the model has no KV cache at all (IsAttentionFree)."""
+    return CausalHook(
+        ("HasInnerState", "IsHybrid" if attends else "IsAttentionFree"),
+        state_methods(kind, shape),
+        vllm_config="" if attends else "MambaModelConfig",
+    )
+
+
+def call_sites(model, cls: str) -> list[cst.Call]:
+    """Every `self.<attr>(...)` of a copied module whose `<attr>` holds `cls` (for an
+    attribute built from a class table, the calls in `cls`'s branch)."""
+    calls = []
+    for owner in model.roles.wanted:
+        info = model.classes[owner]
+        if info.forward is None:
+            continue
+        branches = branch_keys(info.forward)
+        for attr in info.attrs:
+            table = model.roles.tables.get((owner, attr))
+            if table is None and cls not in info.constructed_classes(attr):
+                continue
+            calls += [
+                call
+                for call in m.findall(
+                    info.forward,
+                    m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(attr))),
+                )
+                if table is None or table.class_at(branches.get(id(call))) == cls
+            ]
+    return calls
+
+
+def first_input(info, call: cst.Call) -> cst.BaseExpression:
+    """The expression a call hands the mixer as its forward's first parameter."""
+    params = [p.name.value for p in info.forward.params.params][1:]
+    first = params[0] if params else "hidden_states"
+    for i, arg in enumerate(call.args):
+        if (arg.keyword is None and i == 0 and not arg.star) or (
+            arg.keyword is not None and arg.keyword.value == first
+        ):
+            return arg.value
+    raise PatternRefused(f"a call hands it no {first}")
+
+
+# --- proving a mixer on other flag settings than the tiny config's --------------------
+
+
+def config_flags(info, config) -> list[str]:
+    """The boolean config fields the mixer's `__init__` reads."""
+    names = re.findall(r"\bconfig\.(\w+)", code(info.init))
+    return [
+        n for n in dict.fromkeys(names) if isinstance(getattr(config, n, None), bool)
+    ]
+
+
+def flipped(config, *names: str):
+    config = copy.deepcopy(config)
+    for n in names:
+        setattr(config, n, not getattr(config, n))
+    return config
+
+
+def rebuilt(module, config):
+    """The mixer's class built anew on `config` (its other constructor parameters as
+    the instance has them), with the buffers its owner registered on it."""
+    params = inspect.signature(type(module).__init__).parameters
+    kwargs = {}
+    for name, p in list(params.items())[1:]:
+        if name == "config":
+            kwargs[name] = config
+        elif hasattr(module, name):
+            kwargs[name] = getattr(module, name)
+        elif p.default is inspect.Parameter.empty:
+            raise PatternRefused(f"cannot rebuild it without its {name}")
+    fresh = type(module)(**kwargs)
+    for name, buf in module.named_buffers(recurse=False):
+        if name not in dict(fresh.named_buffers(recurse=False)):
+            fresh.register_buffer(name, buf.clone(), persistent=False)
+    return fresh
