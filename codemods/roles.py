@@ -387,16 +387,32 @@ def appended_layers(base: ClassInfo, value: cst.BaseExpression) -> cst.ListComp 
     if name is None:
         return None
     for loop in m.findall(base.init, layer_loop(name)):
-        call = loop.body.body[0].body[0].value.args[0].value
+        *assigns, append = loop.body.body
+        call = append.body[0].value.args[0].value
+        # `layer_class = TABLE[config.layers_block_type[i]]` before the append (Jamba):
+        # put back into the call, so the comprehension is one expression
+        values = {a.body[0].targets[0].target.value: a.body[0].value for a in assigns}
+
+        class PutBack(cst.CSTTransformer):
+            def leave_Name(self, original, updated):
+                return values.get(original.value, updated)
+
+        call = call.visit(PutBack())
         return cst.ListComp(call, cst.CompFor(target=loop.target, iter=loop.iter))
     return None
 
 
 def layer_loop(name: str) -> m.For:
-    """`for <i> in <...>: <name>.append(<call>)`, one statement."""
+    """`for <i> in <...>: <name>.append(<call>)`, after any `<local> = <value>`
+    statements the call reads."""
     return m.For(
         body=m.IndentedBlock(
             [
+                m.ZeroOrMore(
+                    m.SimpleStatementLine(
+                        [m.Assign(targets=[m.AssignTarget(m.Name())])]
+                    )
+                ),
                 m.SimpleStatementLine(
                     [
                         m.Expr(

@@ -339,6 +339,12 @@ class Pattern:
         emitted code folds elsewhere: those registrations are not copied."""
         return set()
 
+    def slow_paths(self, claim: Claim) -> tuple[tuple[str, str], ...]:
+        """(what, why) for each part the emitted code runs slower than vLLM's own file
+        would somewhere (a Python loop on a platform vLLM has no kernel for), reported
+        like a refusal."""
+        return ()
+
     def maps_state(self, info: ClassInfo) -> bool:
         """The class keeps state across decode steps besides the KV cache, and this
         pattern would map it onto a vLLM layer that keeps it in vLLM's state cache

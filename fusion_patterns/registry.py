@@ -12,6 +12,7 @@ for a count from the cache, and the residual fold last.
 
 from .cache_positions import CachePositions
 from .glu import GLU
+from .mamba1 import Mamba1
 from .mamba2 import Mamba2
 from .mla import LatentAttention
 from .moe import MoE
@@ -24,6 +25,7 @@ from .short_conv import ShortConvPattern
 
 PATTERNS = (
     Mamba2(),
+    Mamba1(),
     ShortConvPattern(),
     RMSNormPattern(),
     MoE(),

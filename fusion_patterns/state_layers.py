@@ -82,6 +82,25 @@ def causal_hook(kind: StateKind, shape: dict[str, str], attends: bool) -> Causal
     )
 
 
+_CONSTANTS = {"True": True, "False": False, "None": None}
+
+
+def construction_constants(model, cls: str) -> dict:
+    """The constant keyword arguments copied modules build `cls` with
+    (`FalconMambaMixer(config, layer_idx=i, initialize_mixer_weights=False)` ->
+    {"initialize_mixer_weights": False}): a rebuilt mixer is built the same way."""
+    out = {}
+    for owner in model.roles.wanted:
+        init = model.classes[owner].init
+        for call in m.findall(init, m.Call(func=m.Name(cls))) if init else ():
+            for arg in call.args:
+                value = arg.value
+                if arg.keyword is not None and isinstance(value, cst.Name):
+                    if value.value in _CONSTANTS:
+                        out[arg.keyword.value] = _CONSTANTS[value.value]
+    return out
+
+
 def call_sites(model, cls: str) -> list[cst.Call]:
     """Every `self.<attr>(...)` of a copied module whose `<attr>` holds `cls` (for an
     attribute built from a class table, the calls in `cls`'s branch)."""
@@ -136,20 +155,98 @@ def flipped(config, *names: str):
     return config
 
 
-def rebuilt(module, config):
+def rebuilt(module, config, constants: dict | None = None):
     """The mixer's class built anew on `config` (its other constructor parameters as
-    the instance has them), with the buffers its owner registered on it."""
+    the instance has them, or as `constants`, what its builders pass), with the buffers
+    its owner registered on it."""
     params = inspect.signature(type(module).__init__).parameters
     kwargs = {}
     for name, p in list(params.items())[1:]:
         if name == "config":
             kwargs[name] = config
+        elif name in (constants or {}):
+            kwargs[name] = constants[name]
         elif hasattr(module, name):
             kwargs[name] = getattr(module, name)
         elif p.default is inspect.Parameter.empty:
             raise PatternRefused(f"cannot rebuild it without its {name}")
     fresh = type(module)(**kwargs)
+    _weights_from(fresh, module)
     for name, buf in module.named_buffers(recurse=False):
         if name not in dict(fresh.named_buffers(recurse=False)):
             fresh.register_buffer(name, buf.clone(), persistent=False)
     return fresh
+
+
+
+def _weights_from(fresh, module) -> None:
+    """`fresh` takes `module`'s weights where a name and shape match (a mixer built to
+    be loaded, `initialize_mixer_weights=False`, holds uninitialised memory); a weight
+    only the other flag setting builds (a bias) is drawn small at random."""
+    import torch
+
+    own = module.state_dict()
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, tensor in fresh.state_dict().items():
+            if name in own and own[name].shape == tensor.shape:
+                tensor.copy_(own[name])
+            elif tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.02)
+
+
+# the source's cache parameter, under the names transformers' mixers give it
+_CACHE_PARAMS = ("cache_params", "past_key_values", "past_key_value")
+
+
+def source_outputs(module, config, x, prompt: int):
+    """[tokens, hidden]: the source mixer over the prompt in one call, then one call per
+    token, transformers' cache carrying its states (the source's own decode path)."""
+    import torch
+    from transformers import DynamicCache
+
+    params = inspect.signature(module.forward).parameters
+    name = next((p for p in _CACHE_PARAMS if p in params), None)
+    if name is None:
+        raise PatternRefused(
+            "its forward takes no cache (none of "
+            + ", ".join(_CACHE_PARAMS)
+            + "): its decode path cannot be run"
+        )
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        outs = [module(x[:, :prompt], **{name: cache})]
+        for t in range(prompt, x.shape[1]):
+            outs.append(module(x[:, t : t + 1], **{name: cache}))
+    # a decode step's output may come without its sequence axis (Falcon-H1's norm
+    # squeezes it)
+    return torch.cat([o.reshape(-1, o.shape[-1]) for o in outs], dim=0)
+
+
+# vLLM's ShortConv and MambaMixer write one row per token into an output they are handed
+CALL = '''
+def state_layer(layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A vLLM layer with a state cache (ShortConv, MambaMixer) on the copied layers'
+    [..., hidden] states: one row per token, written into an output it is handed."""
+    rows = hidden_states.flatten(0, -2)
+    output = torch.empty_like(rows)
+    layer(rows, output)
+    return output.view_as(hidden_states)
+'''
+
+
+def call_state_layer(call: cst.Call, info) -> cst.BaseExpression:
+    """`self.<mixer>(x, cache, ...)` -> `state_layer(self.<mixer>, x)`."""
+    x = code(first_input(info, call))
+    return cst.parse_expression(f"state_layer({code(call.func)}, {x})")
+
+
+# the checkpoint holds A_log; vLLM's mixers hold A, whose weight loader takes -exp(A_log)
+NEGATED_A = """
+    def {method}(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        # {layer}'s A is loaded from the checkpoint's A_log (its loader takes -exp)
+        for name, tensor in weights:
+            if name.endswith({ends}):
+                name = name[: -len("A_log")] + "A"
+            yield name, tensor
+"""

@@ -40,6 +40,7 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mamba.mamba_mixer import MambaMixer
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateCopyFuncCalculator,
     MambaStateDtypeCalculator,
@@ -79,9 +80,9 @@ def short_conv_config(conv_L_cache: int, conv_bias: bool) -> SimpleNamespace:
     return SimpleNamespace(conv_L_cache=conv_L_cache, conv_bias=conv_bias)
 
 
-def short_conv(layer: ShortConv, hidden_states: torch.Tensor) -> torch.Tensor:
-    """vLLM's ShortConv on the copied layers' [..., hidden] states: one row per token,
-    written into an output it is handed."""
+def state_layer(layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A vLLM layer with a state cache (ShortConv, MambaMixer) on the copied layers'
+    [..., hidden] states: one row per token, written into an output it is handed."""
     rows = hidden_states.flatten(0, -2)
     output = torch.empty_like(rows)
     layer(rows, output)
@@ -279,7 +280,7 @@ class Lfm2DecoderLayer(nn.Module):
         if self.is_attention_layer:
             hidden_states = self.self_attn(positions, self.operator_norm(hidden_states))
         else:
-            hidden_states = short_conv(self.conv, self.operator_norm(hidden_states))
+            hidden_states = state_layer(self.conv, self.operator_norm(hidden_states))
         hidden_states = hidden_states + residual
         hidden_states = hidden_states + self.feed_forward(self.ffn_norm(hidden_states))
 

@@ -179,12 +179,12 @@ def test_linears_no_plan_shards_are_said_to_be_replicated():
 
 
 def test_a_non_attention_mixer_is_out_of_scope_in_one_line(tmp_path):
-    result = run_cli("codemods.apply", "modeling_mamba.py", "--out", str(tmp_path))
+    result = run_cli("codemods.apply", "modeling_rwkv.py", "--out", str(tmp_path))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith(
-        "error: out of scope: no class of modeling_mamba.py calls transformers' "
+        "error: out of scope: no class of modeling_rwkv.py calls transformers' "
         "attention interface or computes attention itself"
     ), lines[0]
     assert not list(tmp_path.iterdir())

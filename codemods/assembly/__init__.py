@@ -134,6 +134,9 @@ def assemble(model: Model, copied: Copied, defs: Definitions, plan: Plan) -> Ass
                 "experts it hits), each its own small matmul",
             )
         )
+    for claim in model.claims:
+        for what, why in claim.pattern.slow_paths(claim):
+            out.unfused.append(Unfused(claim.class_name, what, why))
     said = {
         u.source_class
         for u in [*plan.unfused, *out.unfused]  # plan.unfused holds the copy's lines

@@ -246,7 +246,7 @@ def _make_layers(roles: Roles, attr: str) -> list[str]:
     return [
         f"self.start_layer, self.end_layer, self.{attr} = make_layers(",
         f"    {code(comp.for_in.iter.args[0].value)},",
-        f"    lambda prefix: {code(call.func)}({', '.join(args)}),",
+        f"    lambda prefix: {code(call.func.visit(_Index()))}({', '.join(args)}),",
         f'    prefix=f"{{prefix}}.{attr}",',
         ")",
     ]

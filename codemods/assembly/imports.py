@@ -50,6 +50,7 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("vllm.model_executor.layers.logits_processor", ("LogitsProcessor",)),
+    ("vllm.model_executor.layers.mamba.mamba_mixer", ("MambaMixer",)),
     ("vllm.model_executor.layers.mamba.mamba_mixer2", ("MambaMixer2",)),
     (
         "vllm.model_executor.layers.mamba.mamba_utils",
@@ -57,6 +58,14 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "MambaStateCopyFuncCalculator",
             "MambaStateDtypeCalculator",
             "MambaStateShapeCalculator",
+            "is_conv_state_dim_first",
+        ),
+    ),
+    (
+        "vllm.model_executor.layers.mamba.ops.causal_conv1d",
+        (
+            "causal_conv1d_fn as vllm_causal_conv1d_fn",
+            "causal_conv1d_update as vllm_causal_conv1d_update",
         ),
     ),
     ("vllm.model_executor.layers.mamba.short_conv", ("ShortConv",)),
@@ -102,6 +111,7 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "maybe_prefix",
         ),
     ),
+    ("vllm.platforms", ("current_platform",)),
     ("vllm.sequence", ("IntermediateTensors",)),
 )
 

@@ -28,7 +28,13 @@ from ..base import (
     refused_by,
 )
 from ..moe.match import resolve
-from ..state_layers import MAMBA2, call_sites, causal_hook, first_input
+from ..state_layers import (
+    MAMBA2,
+    NEGATED_A,
+    call_sites,
+    causal_hook,
+    first_input,
+)
 from . import emit
 from .match import NAME, VLLM_CLASS, WHAT, Mamba2Spec, match
 from .proof import prove
@@ -92,7 +98,8 @@ class Mamba2(Pattern):
     def loader(self, claim: Claim) -> LoaderHook:
         scopes = sorted({r.scope for r in claim.records})
         ends = tuple(f".{s}.A_log" for s in scopes)
-        methods, weights = NEGATED_A.format(ends=ends), "self._mamba2_a({weights})"
+        methods = NEGATED_A.format(method="_mamba2_a", layer="MambaMixer2", ends=ends)
+        weights = "self._mamba2_a({weights})"
         folded = emit.folded_scales(claim.spec, scopes)
         if folded:
             methods += folded
@@ -110,17 +117,6 @@ class Mamba2(Pattern):
 
     def causal_lm(self, claim: Claim, attends: bool) -> CausalHook:
         return causal_hook(MAMBA2, emit.state_shape(claim.spec), attends)
-
-
-# the checkpoint holds A_log; MambaMixer2 holds A, its weight loader taking -exp(A_log)
-NEGATED_A = """
-    def _mamba2_a(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        # MambaMixer2's A is loaded from the checkpoint's A_log (its loader takes -exp)
-        for name, tensor in weights:
-            if name.endswith({ends}):
-                name = name[: -len("A_log")] + "A"
-            yield name, tensor
-"""
 
 
 def _record(spec: Mamba2Spec, scope: str) -> FusionRecord:

@@ -18,7 +18,7 @@ import os
 import traceback
 
 from ..base import PatternRefused, code
-from ..state_layers import config_flags, flipped, rebuilt
+from ..state_layers import config_flags, flipped, rebuilt, source_outputs
 from .match import Mamba2Spec
 
 STEPS = 8
@@ -86,7 +86,7 @@ def _prove_one(spec: Mamba2Spec, module, config, steps: int) -> None:
             with torch.no_grad():
                 want = module(x)[0]
         else:
-            want = _source(module, config, x, prompt)
+            want = source_outputs(module, config, x, prompt)
         got = _vllm(module, spec, args, chunk, x[0], prompt)
     except PatternRefused:
         raise
@@ -208,22 +208,6 @@ def _randomised(module, spec: Mamba2Spec):
         for p in conv.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) / 2)
     return module
-
-
-def _source(module, config, x, prompt: int):
-    """[tokens, hidden]: the prompt in one call, then one call per token, the cache
-    carrying the states (the source's own decode path)."""
-    import torch
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=config)
-    with torch.no_grad():
-        outs = [module(x[:, :prompt], cache_params=cache)]
-        for t in range(prompt, x.shape[1]):
-            outs.append(module(x[:, t : t + 1], cache_params=cache))
-    # a decode step's output may come without its sequence axis (Falcon-H1's norm
-    # squeezes it)
-    return torch.cat([o.reshape(-1, o.shape[-1]) for o in outs], dim=0)
 
 
 def _vllm(module, spec: Mamba2Spec, args: dict, chunk: int, x, prompt: int):

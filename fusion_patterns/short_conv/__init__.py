@@ -25,7 +25,7 @@ from ..base import (
     refused_by,
 )
 from ..moe.match import bind, resolve
-from ..state_layers import SHORT_CONV, call_sites, causal_hook, first_input
+from ..state_layers import CALL, SHORT_CONV, call_sites, call_state_layer, causal_hook
 from .match import NAME, VLLM_CLASS, WHAT, ShortConvSpec, match
 from .proof import prove
 
@@ -86,8 +86,7 @@ class ShortConvPattern(Pattern):
         )
 
     def call_site(self, claim: Claim, call: cst.Call) -> cst.BaseExpression:
-        x = code(first_input(claim.spec.info, call))
-        return cst.parse_expression(f"short_conv({code(call.func)}, {x})")
+        return call_state_layer(call, claim.spec.info)
 
     def helpers(self, claim: Claim) -> tuple[str, ...]:
         return (CONFIG, CALL)
@@ -116,15 +115,4 @@ def short_conv_config(conv_L_cache: int, conv_bias: bool) -> SimpleNamespace:
     """The two fields vLLM's ShortConv reads from its config, from the source's own
     expressions (a config class may name them otherwise)."""
     return SimpleNamespace(conv_L_cache=conv_L_cache, conv_bias=conv_bias)
-'''
-
-# vLLM's ShortConv writes one row per token into the output it is handed
-CALL = '''
-def short_conv(layer: ShortConv, hidden_states: torch.Tensor) -> torch.Tensor:
-    """vLLM's ShortConv on the copied layers' [..., hidden] states: one row per token,
-    written into an output it is handed."""
-    rows = hidden_states.flatten(0, -2)
-    output = torch.empty_like(rows)
-    layer(rows, output)
-    return output.view_as(hidden_states)
 '''

@@ -11,18 +11,15 @@ steps changes what the decode steps see.
 from __future__ import annotations
 
 import copy
-import inspect
 import os
 import traceback
 
 from ..base import PatternRefused, code
-from ..state_layers import config_flags, flipped, rebuilt
+from ..state_layers import config_flags, flipped, rebuilt, source_outputs
 from .match import ShortConvSpec
 
 STEPS = 8
 TOLERANCE = 1e-4  # the conv sums its taps in another order on each side
-# the source's cache parameter, under the names transformers' mixers give it
-_CACHE_PARAMS = ("past_key_values", "cache_params", "past_key_value")
 
 
 def sizes(spec: ShortConvSpec, config) -> dict:
@@ -63,7 +60,7 @@ def _prove_one(spec: ShortConvSpec, module, config, steps: int) -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, prompt + steps, args["dim"], generator=gen)
     try:
-        want = _source(module, config, x, prompt)
+        want = source_outputs(module, config, x, prompt)
         got = _vllm(module, spec, args, x[0], prompt)
     except PatternRefused:
         raise
@@ -112,28 +109,6 @@ def _randomised(module, spec: ShortConvSpec):
         for p in getattr(module, spec.conv).parameters():
             p.copy_(torch.randn(p.shape, generator=gen) / 2)
     return module
-
-
-def _source(module, config, x, prompt: int):
-    """[tokens, hidden]: the prompt in one call, then one call per token, the cache
-    carrying the conv state (the source's own decode path)."""
-    import torch
-    from transformers import DynamicCache
-
-    params = inspect.signature(module.forward).parameters
-    name = next((p for p in _CACHE_PARAMS if p in params), None)
-    if name is None:
-        raise PatternRefused(
-            "its forward takes no cache (none of "
-            + ", ".join(_CACHE_PARAMS)
-            + "): its decode path cannot be run"
-        )
-    cache = DynamicCache(config=config)
-    with torch.no_grad():
-        outs = [module(x[:, :prompt], **{name: cache})]
-        for t in range(prompt, x.shape[1]):
-            outs.append(module(x[:, t : t + 1], **{name: cache}))
-    return torch.cat([o.reshape(-1, o.shape[-1]) for o in outs], dim=0)
 
 
 def _vllm(module, spec: ShortConvSpec, args: dict, x, prompt: int):
