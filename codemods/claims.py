@@ -60,7 +60,14 @@ class Model:
     def norm_specs(self) -> dict:
         """{norm class: its spec} of the norms claimed so far (every construction of
         them is vLLM's norm)."""
-        return {c.class_name: c.spec for c in self.claims if c.kind == CONSTRUCTION}
+        from fusion_patterns.rms_norm import NAME as RMS_NORM
+
+        # a stateful mixer is claimed per construction too: not a norm
+        return {
+            c.class_name: c.spec
+            for c in self.claims
+            if c.kind == CONSTRUCTION and c.pattern.name == RMS_NORM
+        }
 
     def norm_classes(self) -> dict:
         """Every class that computes a norm, proven or not -> its spec (None for a norm

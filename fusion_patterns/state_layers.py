@@ -12,13 +12,97 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 import re
+import traceback
 from dataclasses import dataclass
 
 import libcst as cst
 import libcst.matchers as m
 
-from .base import CausalHook, PatternRefused, branch_keys, code
+from .base import (
+    CONSTRUCTION,
+    CausalHook,
+    Claim,
+    ClassInfo,
+    FusionRecord,
+    Pattern,
+    PatternRefused,
+    Refusal,
+    branch_keys,
+    code,
+    refused_by,
+)
+
+# `-torch.exp(self.A_log.float())`: the decay both Mamba mixers take
+NEG_EXP_A_LOG = m.UnaryOperation(
+    operator=m.Minus(),
+    expression=m.Call(
+        func=m.Attribute(value=m.Name("torch"), attr=m.Name("exp")),
+        args=[
+            m.Arg(
+                m.Call(
+                    func=m.Attribute(
+                        value=m.Attribute(value=m.Name("self"), attr=m.Name("A_log")),
+                        attr=m.Name("float"),
+                    )
+                )
+            )
+        ],
+    ),
+)
+
+
+class StateMixer(Pattern):
+    """A mixer that keeps state across decode steps, claimed per construction: the
+    class is not emitted, each construction is vLLM's layer keyed by its module path
+    (its state-cache key), each call hands it one row per token. A subclass reads a
+    class (`read`: a spec, a `Refusal` for a near miss, None), proves it on the tiny
+    model's instance (`proven`) and records it (`record`)."""
+
+    rewrites_calls = True
+    keyed_by_prefix = True
+    what = ""
+
+    def read(self, info: ClassInfo):
+        raise NotImplementedError
+
+    def proven(self, spec, instance, model, cls: str):
+        """The spec, proven on `instance` (raises PatternRefused where not)."""
+        raise NotImplementedError
+
+    def record(self, spec, scope: str) -> FusionRecord:
+        raise NotImplementedError
+
+    def maps_state(self, info: ClassInfo) -> bool:
+        return self.read(info) is not None  # a near miss too: its refusal says why
+
+    def claim(self, model):
+        for n in model.roles.wanted:
+            spec = self.read(model.classes[n])
+            if spec is None:
+                continue
+            if isinstance(spec, Refusal):
+                yield spec
+                continue
+            try:
+                instance = model.first(n)
+                if instance is None:
+                    raise PatternRefused("the tiny model never builds it")
+                if not call_sites(model, n):
+                    raise PatternRefused("no copied module calls it")
+                spec = self.proven(spec, instance, model, n)
+            except Exception as exc:  # a proof that fails or cannot run: refused
+                yield refused_by(exc, self.name, n, self.what)
+                continue
+            scopes = model.roles.scopes.get(n, [""])
+            yield Claim(
+                self,
+                n,
+                spec,
+                CONSTRUCTION,
+                records=[self.record(spec, scope) for scope in scopes],
+            )
 
 
 @dataclass(frozen=True)
@@ -137,7 +221,46 @@ def first_input(info, call: cst.Call) -> cst.BaseExpression:
     raise PatternRefused(f"a call hands it no {first}")
 
 
-# --- proving a mixer on other flag settings than the tiny config's --------------------
+# --- proving a mixer ------------------------------------------------------------------
+
+
+def compared(source, vllm, prompt: int, steps: int, tolerance: float, names) -> None:
+    """Runs both sides (`source()`, `vllm()`: [tokens, hidden]) and holds the prompt
+    and each decode step after it to the source; `names` = (what runs over the prompt,
+    what each step carries). A side that cannot run is not proven."""
+    from .dataflow import require_close
+
+    try:
+        want, got = source(), vllm()
+    except PatternRefused:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a side that cannot run: not proven
+        if os.environ.get("CODEMODS_DEBUG"):
+            traceback.print_exc()
+        what = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        raise PatternRefused(f"the comparison could not run: {what}") from exc
+    over, carried = names
+    require_close(got[:prompt], want[:prompt], f"{over} over the prompt", tolerance)
+    for i in range(steps):
+        t = prompt + i
+        require_close(
+            got[t], want[t], f"decode step {i + 1} ({carried} carried)", tolerance
+        )
+
+
+def proven_with_flags(prove_one, info, module, config, constants=None) -> None:
+    """`prove_one(module, config)`, then again with each boolean config field the
+    mixer's `__init__` reads flipped (the mixer rebuilt as its builders build it):
+    vLLM's layer must follow the same fields."""
+    prove_one(module, config)
+    for flag in config_flags(info, config):
+        other = flipped(config, flag)
+        try:
+            prove_one(rebuilt(module, other, constants), other)
+        except PatternRefused as exc:
+            raise PatternRefused(
+                f"with config.{flag}={getattr(other, flag)}: {exc}"
+            ) from exc
 
 
 def config_flags(info, config) -> list[str]:
@@ -176,7 +299,6 @@ def rebuilt(module, config, constants: dict | None = None):
         if name not in dict(fresh.named_buffers(recurse=False)):
             fresh.register_buffer(name, buf.clone(), persistent=False)
     return fresh
-
 
 
 def _weights_from(fresh, module) -> None:

@@ -16,22 +16,12 @@ from dataclasses import replace
 
 import libcst as cst
 
-from ..base import (
-    CONSTRUCTION,
-    Claim,
-    ClassInfo,
-    FusionRecord,
-    LoaderHook,
-    Pattern,
-    PatternRefused,
-    Refusal,
-    refused_by,
-)
+from ..base import Claim, ClassInfo, FusionRecord, LoaderHook
 from ..state_layers import (
     CALL,
     MAMBA1,
     NEGATED_A,
-    call_sites,
+    StateMixer,
     call_state_layer,
     causal_hook,
     construction_constants,
@@ -43,46 +33,34 @@ from .proof import norm_weights, prove
 __all__ = ["Mamba1", "NAME", "VLLM_CLASS", "Mamba1Spec", "match", "prove"]
 
 
-class Mamba1(Pattern):
+class Mamba1(StateMixer):
     name = NAME
-    rewrites_calls = True
-    keyed_by_prefix = True
+    what = WHAT
 
-    def maps_state(self, info: ClassInfo) -> bool:
-        return match(info) is not None  # a near miss too: its refusal says why
+    def read(self, info: ClassInfo):
+        return match(info)
 
-    def claim(self, model):
-        for n in model.roles.wanted:
-            spec = match(model.classes[n])
-            if spec is None:
-                continue
-            if isinstance(spec, Refusal):
-                yield spec
-                continue
-            try:
-                inst = model.first(n)
-                if inst is None:
-                    raise PatternRefused("the tiny model never builds it")
-                spec = replace(spec, norm_weights=norm_weights(spec, inst))
-                prove(
-                    spec,
-                    inst,
-                    model.config,
-                    constants=construction_constants(model, n),
-                )
-                if not call_sites(model, n):
-                    raise PatternRefused("no copied module calls it")
-            except Exception as exc:  # a proof that fails or cannot run: refused
-                yield refused_by(exc, NAME, n, WHAT)
-                continue
-            scopes = model.roles.scopes.get(n, [""])
-            yield Claim(
-                self,
-                n,
-                spec,
-                CONSTRUCTION,
-                records=[_record(spec, scope) for scope in scopes],
-            )
+    def proven(self, spec: Mamba1Spec, instance, model, cls: str) -> Mamba1Spec:
+        spec = replace(spec, norm_weights=norm_weights(spec, instance))
+        prove(
+            spec,
+            instance,
+            model.config,
+            constants=construction_constants(model, cls),
+        )
+        return spec
+
+    def record(self, spec: Mamba1Spec, scope: str) -> FusionRecord:
+        norms = " + dt/B/C norms" if spec.normed else ""
+        return FusionRecord(
+            NAME,
+            spec.class_name,
+            ("in_proj", spec.conv, "x_proj + dt_proj" + norms, "A_log + D", "out_proj"),
+            scope.rsplit(".", 1)[-1] or "mixer",
+            VLLM_CLASS,
+            scope=scope,
+            detail="conv and SSM states in vLLM's state cache",
+        )
 
     def construction(self, claim: Claim, call: cst.Call, path: str | None) -> str:
         return emit.construction(claim.spec, call, path or "mixer")
@@ -111,16 +89,3 @@ class Mamba1(Pattern):
 
     def causal_lm(self, claim: Claim, attends: bool):
         return causal_hook(MAMBA1, emit.state_shape(claim.spec), attends)
-
-
-def _record(spec: Mamba1Spec, scope: str) -> FusionRecord:
-    norms = " + dt/B/C norms" if spec.normed else ""
-    return FusionRecord(
-        NAME,
-        spec.class_name,
-        ("in_proj", spec.conv, "x_proj + dt_proj" + norms, "A_log + D", "out_proj"),
-        scope.rsplit(".", 1)[-1] or "mixer",
-        VLLM_CLASS,
-        scope=scope,
-        detail="conv and SSM states in vLLM's state cache",
-    )

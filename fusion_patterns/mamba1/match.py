@@ -19,6 +19,7 @@ import libcst.matchers as m
 
 from ..base import ClassInfo, PatternRefused, Refusal, code, is_linear, linear_args
 from ..moe.match import resolve as resolve_attrs
+from ..state_layers import NEG_EXP_A_LOG
 
 NAME = "mamba1"
 VLLM_CLASS = "MambaMixer"
@@ -36,22 +37,6 @@ SIZES = {
 PROJECTIONS = ("in_proj", "x_proj", "dt_proj", "out_proj")
 NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
 _CONV = ("nn.Conv1d", "torch.nn.Conv1d")
-_NEG_EXP = m.UnaryOperation(
-    operator=m.Minus(),
-    expression=m.Call(
-        func=m.Attribute(value=m.Name("torch"), attr=m.Name("exp")),
-        args=[
-            m.Arg(
-                m.Call(
-                    func=m.Attribute(
-                        value=m.Attribute(value=m.Name("self"), attr=m.Name("A_log")),
-                        attr=m.Name("float"),
-                    )
-                )
-            )
-        ],
-    ),
-)
 
 
 @dataclass(frozen=True)
@@ -90,7 +75,7 @@ def match(info: ClassInfo) -> Mamba1Spec | Refusal | None:
 
 
 def _read(info: ClassInfo) -> Mamba1Spec:
-    if not m.findall(info.forward, _NEG_EXP):
+    if not m.findall(info.forward, NEG_EXP_A_LOG):
         raise PatternRefused("forward does not take A = -exp(self.A_log.float())")
     convs = [a for a in info.attrs if info.constructed_class(a) in _CONV]
     if len(convs) != 1:

@@ -12,11 +12,9 @@ first, so a dropped skip or a norm placed on the wrong tensor cannot hide behind
 from __future__ import annotations
 
 import copy
-import os
-import traceback
 
 from ..base import PatternRefused, code
-from ..state_layers import config_flags, flipped, rebuilt, source_outputs
+from ..state_layers import compared, proven_with_flags, source_outputs
 from .emit import SCAN_BY_STEPS
 from .match import NORMS, Mamba1Spec
 
@@ -36,16 +34,14 @@ def prove(
     spec: Mamba1Spec, module, config, steps: int = STEPS, constants: dict | None = None
 ) -> None:
     """Proven on `config`, then with each boolean config field the mixer's `__init__`
-    reads flipped (the mixer rebuilt, with the `constants` its builders pass)."""
-    _prove_one(spec, module, config, steps)
-    for flag in config_flags(spec.info, config):
-        other = flipped(config, flag)
-        try:
-            _prove_one(spec, rebuilt(module, other, constants), other, steps)
-        except PatternRefused as exc:
-            raise PatternRefused(
-                f"with config.{flag}={getattr(other, flag)}: {exc}"
-            ) from exc
+    reads flipped (the mixer rebuilt with the `constants` its builders pass)."""
+    proven_with_flags(
+        lambda mod, cfg: _prove_one(spec, mod, cfg, steps),
+        spec.info,
+        module,
+        config,
+        constants,
+    )
 
 
 def norm_weights(spec: Mamba1Spec, module) -> bool:
@@ -64,30 +60,20 @@ def norm_weights(spec: Mamba1Spec, module) -> bool:
 def _prove_one(spec: Mamba1Spec, module, config, steps: int) -> None:
     import torch
 
-    from ..dataflow import require_close
-
     args = sizes(spec, config)
     _check_shapes(spec, module, args)
     module = _randomised(module, spec)
     prompt = args["conv_kernel_size"] + 6
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, prompt + steps, args["hidden_size"], generator=gen)
-    try:
-        want = source_outputs(module, config, x, prompt)
-        got = _vllm(module, spec, args, x[0], prompt)
-    except PatternRefused:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a side that cannot run: not proven
-        if os.environ.get("CODEMODS_DEBUG"):
-            traceback.print_exc()
-        what = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
-        raise PatternRefused(f"the comparison could not run: {what}") from exc
-    require_close(got[:prompt], want[:prompt], "the mixer over the prompt", TOLERANCE)
-    for i in range(steps):
-        t = prompt + i
-        require_close(
-            got[t], want[t], f"decode step {i + 1} (states carried)", TOLERANCE
-        )
+    compared(
+        lambda: source_outputs(module, config, x, prompt),
+        lambda: _vllm(module, spec, args, x[0], prompt),
+        prompt,
+        steps,
+        TOLERANCE,
+        ("the mixer", "states"),
+    )
 
 
 def _check_shapes(spec: Mamba1Spec, module, args: dict) -> None:

@@ -15,22 +15,12 @@ from dataclasses import replace
 import libcst as cst
 import libcst.matchers as m
 
-from ..base import (
-    CONSTRUCTION,
-    Claim,
-    ClassInfo,
-    FusionRecord,
-    LoaderHook,
-    Pattern,
-    PatternRefused,
-    Refusal,
-    code,
-    refused_by,
-)
+from ..base import Claim, ClassInfo, FusionRecord, LoaderHook, PatternRefused, code
 from ..moe.match import resolve
 from ..state_layers import (
     MAMBA2,
     NEGATED_A,
+    StateMixer,
     call_sites,
     causal_hook,
     first_input,
@@ -42,44 +32,30 @@ from .proof import prove
 __all__ = ["Mamba2", "NAME", "VLLM_CLASS", "WHAT", "Mamba2Spec", "match", "prove"]
 
 
-class Mamba2(Pattern):
+class Mamba2(StateMixer):
     name = NAME
-    rewrites_calls = True
-    keyed_by_prefix = True
+    what = WHAT
 
-    def maps_state(self, info: ClassInfo) -> bool:
-        return match(info) is not None  # a near miss too: its refusal says why
+    def read(self, info: ClassInfo):
+        return match(info)
 
-    def claim(self, model):
-        for n in model.roles.wanted:
-            spec = match(model.classes[n])
-            if spec is None:
-                continue
-            if isinstance(spec, Refusal):
-                yield spec
-                continue
-            try:
-                inst = model.first(n)
-                if inst is None:
-                    raise PatternRefused("the tiny model never builds it")
-                spec = replace(spec, out_scale_value=_out_scale_value(spec, model))
-                spec = replace(spec, unproven=prove(spec, inst, model.config))
-                sites = call_sites(model, n)
-                if not sites:
-                    raise PatternRefused("no copied module calls it")
-                for call in sites:
-                    _hidden(spec, call)
-            except Exception as exc:  # a proof that fails or cannot run: refused
-                yield refused_by(exc, NAME, n, WHAT)
-                continue
-            scopes = model.roles.scopes.get(n, [""])
-            yield Claim(
-                self,
-                n,
-                spec,
-                CONSTRUCTION,
-                records=[_record(spec, scope) for scope in scopes],
-            )
+    def proven(self, spec: Mamba2Spec, instance, model, cls: str) -> Mamba2Spec:
+        spec = replace(spec, out_scale_value=_out_scale_value(spec, model))
+        spec = replace(spec, unproven=prove(spec, instance, model.config))
+        for call in call_sites(model, cls):
+            _hidden(spec, call)
+        return spec
+
+    def record(self, spec: Mamba2Spec, scope: str) -> FusionRecord:
+        return FusionRecord(
+            NAME,
+            spec.class_name,
+            (spec.in_proj, spec.conv, "A_log + dt_bias + D", spec.norm, spec.out_proj),
+            scope.rsplit(".", 1)[-1] or "mixer",
+            VLLM_CLASS,
+            scope=scope,
+            detail="conv and SSM states in vLLM's state cache",
+        )
 
     def dropped_buffers(self, claim: Claim) -> set[str]:
         # the output scale's buffer is folded into the in-projection's weight at load
@@ -115,20 +91,8 @@ class Mamba2(Pattern):
             + ((emit.TIME_STEP_LIMIT,) if spec.time_step_limit is not None else ())
         )
 
-    def causal_lm(self, claim: Claim, attends: bool) -> CausalHook:
+    def causal_lm(self, claim: Claim, attends: bool):
         return causal_hook(MAMBA2, emit.state_shape(claim.spec), attends)
-
-
-def _record(spec: Mamba2Spec, scope: str) -> FusionRecord:
-    return FusionRecord(
-        NAME,
-        spec.class_name,
-        (spec.in_proj, spec.conv, "A_log + dt_bias + D", spec.norm, spec.out_proj),
-        scope.rsplit(".", 1)[-1] or "mixer",
-        VLLM_CLASS,
-        scope=scope,
-        detail="conv and SSM states in vLLM's state cache",
-    )
 
 
 def _out_scale_value(spec: Mamba2Spec, model) -> str | None:

@@ -19,6 +19,7 @@ import libcst.matchers as m
 
 from ..base import ClassInfo, PatternRefused, Refusal, code, is_linear, linear_args
 from ..moe.match import resolve as resolve_attrs
+from ..state_layers import NEG_EXP_A_LOG
 
 NAME = "mamba2"
 VLLM_CLASS = "MambaMixer2"
@@ -37,22 +38,6 @@ SIZES = {
     "activation": "activation",
 }
 PARAMETERS = ("A_log", "dt_bias", "D")
-_NEG_EXP = m.UnaryOperation(
-    operator=m.Minus(),
-    expression=m.Call(
-        func=m.Attribute(value=m.Name("torch"), attr=m.Name("exp")),
-        args=[
-            m.Arg(
-                m.Call(
-                    func=m.Attribute(
-                        value=m.Attribute(value=m.Name("self"), attr=m.Name("A_log")),
-                        attr=m.Name("float"),
-                    )
-                )
-            )
-        ],
-    ),
-)
 
 
 @dataclass(frozen=True)
@@ -106,7 +91,7 @@ def match(info: ClassInfo) -> Mamba2Spec | Refusal | None:
 
 
 def _read(info: ClassInfo) -> Mamba2Spec:
-    if not m.findall(info.forward, _NEG_EXP):
+    if not m.findall(info.forward, NEG_EXP_A_LOG):
         raise PatternRefused("forward does not take A = -exp(self.A_log.float())")
     convs = [a for a in info.attrs if info.constructed_class(a) in _CONV]
     if len(convs) != 1:

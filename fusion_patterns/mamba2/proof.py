@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import traceback
 
 from ..base import PatternRefused, code
-from ..state_layers import config_flags, flipped, rebuilt, source_outputs
+from ..state_layers import compared, config_flags, flipped, rebuilt, source_outputs
 from .match import Mamba2Spec
 
 STEPS = 8
@@ -53,8 +51,6 @@ def prove(spec: Mamba2Spec, module, config, steps: int = STEPS) -> tuple:
 def _prove_one(spec: Mamba2Spec, module, config, steps: int) -> None:
     import torch
 
-    from ..dataflow import require_close
-
     args = sizes(spec, config)
     env = {"config": config}
     chunk = (
@@ -76,31 +72,26 @@ def _prove_one(spec: Mamba2Spec, module, config, steps: int) -> None:
     prompt = max(chunk + 3, args["conv_kernel_size"] + 2)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, prompt + steps, args["hidden_size"], generator=gen)
-    try:
-        if args["use_rms_norm"]:
-            _prove_norm(spec, module, args)
+    if args["use_rms_norm"]:
+        _prove_norm(spec, module, args)
+
+    def source():
         if args["time_step_floor"] > 0:
             # the source's state update omits the floor its chunked scan applies: the
             # model's function is its forward over every token (what verify's reference
             # and transformers' scoring compute), so each step is held to that
             with torch.no_grad():
-                want = module(x)[0]
-        else:
-            want = source_outputs(module, config, x, prompt)
-        got = _vllm(module, spec, args, chunk, x[0], prompt)
-    except PatternRefused:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a side that cannot run: not proven
-        if os.environ.get("CODEMODS_DEBUG"):
-            traceback.print_exc()
-        what = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
-        raise PatternRefused(f"the comparison could not run: {what}") from exc
-    require_close(got[:prompt], want[:prompt], "the mixer over the prompt", TOLERANCE)
-    for i in range(steps):
-        t = prompt + i
-        require_close(
-            got[t], want[t], f"decode step {i + 1} (states carried)", TOLERANCE
-        )
+                return module(x)[0]
+        return source_outputs(module, config, x, prompt)
+
+    compared(
+        source,
+        lambda: _vllm(module, spec, args, chunk, x[0], prompt),
+        prompt,
+        steps,
+        TOLERANCE,
+        ("the mixer", "states"),
+    )
 
 
 def _holds(spec: Mamba2Spec, module, config, steps: int) -> bool:

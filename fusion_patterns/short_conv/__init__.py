@@ -13,59 +13,36 @@ from __future__ import annotations
 
 import libcst as cst
 
-from ..base import (
-    CONSTRUCTION,
-    Claim,
-    ClassInfo,
-    FusionRecord,
-    Pattern,
-    PatternRefused,
-    Refusal,
-    code,
-    refused_by,
-)
+from ..base import Claim, ClassInfo, FusionRecord, code
 from ..moe.match import bind, resolve
-from ..state_layers import CALL, SHORT_CONV, call_sites, call_state_layer, causal_hook
+from ..state_layers import CALL, SHORT_CONV, StateMixer, call_state_layer, causal_hook
 from .match import NAME, VLLM_CLASS, WHAT, ShortConvSpec, match
 from .proof import prove
 
 __all__ = ["ShortConvPattern", "NAME", "VLLM_CLASS", "ShortConvSpec", "match", "prove"]
 
 
-class ShortConvPattern(Pattern):
+class ShortConvPattern(StateMixer):
     name = NAME
-    rewrites_calls = True
-    keyed_by_prefix = True
+    what = WHAT
 
-    def maps_state(self, info: ClassInfo) -> bool:
-        return match(info) is not None  # a near miss too: its refusal says why
+    def read(self, info: ClassInfo):
+        return match(info)
 
-    def claim(self, model):
-        for n in model.roles.wanted:
-            spec = match(model.classes[n])
-            if spec is None:
-                continue
-            if isinstance(spec, Refusal):
-                yield spec
-                continue
-            try:
-                inst = model.first(n)
-                if inst is None:
-                    raise PatternRefused("the tiny model never builds it")
-                prove(spec, inst, model.config)
-                if not call_sites(model, n):
-                    raise PatternRefused("no copied module calls it")
-            except Exception as exc:  # a proof that fails or cannot run: refused
-                yield refused_by(exc, NAME, n, WHAT)
-                continue
-            scopes = model.roles.scopes.get(n, [""])
-            yield Claim(
-                self,
-                n,
-                spec,
-                CONSTRUCTION,
-                records=[_record(spec, scope) for scope in scopes],
-            )
+    def proven(self, spec: ShortConvSpec, instance, model, cls: str) -> ShortConvSpec:
+        prove(spec, instance, model.config)
+        return spec
+
+    def record(self, spec: ShortConvSpec, scope: str) -> FusionRecord:
+        return FusionRecord(
+            NAME,
+            spec.class_name,
+            (spec.in_proj, spec.conv, "C * conv(B * x)", spec.out_proj),
+            scope.rsplit(".", 1)[-1] or "conv",
+            VLLM_CLASS,
+            scope=scope,
+            detail="conv state in vLLM's state cache",
+        )
 
     def construction(self, claim: Claim, call: cst.Call, path: str | None) -> str:
         spec = claim.spec
@@ -95,18 +72,6 @@ class ShortConvPattern(Pattern):
         spec = claim.spec
         shape = {"intermediate_size": code(spec.dim), "conv_kernel": code(spec.kernel)}
         return causal_hook(SHORT_CONV, shape, attends)
-
-
-def _record(spec: ShortConvSpec, scope: str) -> FusionRecord:
-    return FusionRecord(
-        NAME,
-        spec.class_name,
-        (spec.in_proj, spec.conv, "C * conv(B * x)", spec.out_proj),
-        scope.rsplit(".", 1)[-1] or "conv",
-        VLLM_CLASS,
-        scope=scope,
-        detail="conv state in vLLM's state cache",
-    )
 
 
 # vLLM's ShortConv reads its kernel and bias from two config fields

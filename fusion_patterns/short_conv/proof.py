@@ -11,11 +11,9 @@ steps changes what the decode steps see.
 from __future__ import annotations
 
 import copy
-import os
-import traceback
 
 from ..base import PatternRefused, code
-from ..state_layers import config_flags, flipped, rebuilt, source_outputs
+from ..state_layers import compared, proven_with_flags, source_outputs
 from .match import ShortConvSpec
 
 STEPS = 8
@@ -35,23 +33,15 @@ def sizes(spec: ShortConvSpec, config) -> dict:
 
 
 def prove(spec: ShortConvSpec, module, config, steps: int = STEPS) -> None:
-    """Proven on `config`, then with each boolean config field the mixer's `__init__`
-    reads flipped (the mixer rebuilt): vLLM's layer reads the same fields."""
-    _prove_one(spec, module, config, steps)
-    for flag in config_flags(spec.info, config):
-        other = flipped(config, flag)
-        try:
-            _prove_one(spec, rebuilt(module, other), other, steps)
-        except PatternRefused as exc:
-            raise PatternRefused(
-                f"with config.{flag}={getattr(other, flag)}: {exc}"
-            ) from exc
+    """Proven on `config`, then with each boolean config field the block's `__init__`
+    reads flipped."""
+    proven_with_flags(
+        lambda mod, cfg: _prove_one(spec, mod, cfg, steps), spec.info, module, config
+    )
 
 
 def _prove_one(spec: ShortConvSpec, module, config, steps: int) -> None:
     import torch
-
-    from ..dataflow import require_close
 
     args = sizes(spec, config)
     _check_shapes(spec, module, args)
@@ -59,22 +49,14 @@ def _prove_one(spec: ShortConvSpec, module, config, steps: int) -> None:
     prompt = args["kernel"] + 5
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, prompt + steps, args["dim"], generator=gen)
-    try:
-        want = source_outputs(module, config, x, prompt)
-        got = _vllm(module, spec, args, x[0], prompt)
-    except PatternRefused:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a side that cannot run: not proven
-        if os.environ.get("CODEMODS_DEBUG"):
-            traceback.print_exc()
-        what = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
-        raise PatternRefused(f"the comparison could not run: {what}") from exc
-    require_close(got[:prompt], want[:prompt], "the conv over the prompt", TOLERANCE)
-    for i in range(steps):
-        t = prompt + i
-        require_close(
-            got[t], want[t], f"decode step {i + 1} (conv state carried)", TOLERANCE
-        )
+    compared(
+        lambda: source_outputs(module, config, x, prompt),
+        lambda: _vllm(module, spec, args, x[0], prompt),
+        prompt,
+        steps,
+        TOLERANCE,
+        ("the conv", "conv state"),
+    )
 
 
 def _check_shapes(spec: ShortConvSpec, module, args: dict) -> None:
