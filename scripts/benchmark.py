@@ -335,8 +335,44 @@ def parse_overrides(items: list[str]) -> dict:
     return dict(parse_override(item) for item in items or [])
 
 
+def every_layer_kind(source: str, layers: int) -> dict:
+    """The layer-type lists verify's tiny config mixes so that every kind of layer the
+    source can build is built (LFM2's `conv` layers beside `full_attention`, which its
+    config's default never builds), repeated over the benchmark's depth: a benchmark of
+    a hybrid model times its mixers, not only its attention (taken for models with a
+    state cache only: the others' rows keep the checkpoints they were measured on). {}
+    where the toolkit cannot tell."""
+    from codemods import layer_kinds, loading, tiny
+    from codemods.roles import causal_class as toolkit_causal
+    from codemods.source import load
+
+    try:
+        src = load(os.path.basename(source))
+        pymodule = loading.load_module(src, trust_remote_code=False)
+        causal = toolkit_causal(pymodule, src.classes, src)
+        values = tiny.working_values(causal)
+        primary = layer_kinds.cover(causal, src.module, src.classes, values).primary
+    except Exception:  # noqa: BLE001 - no cover: the config's own defaults
+        return {}
+    depth = primary.get("num_hidden_layers")
+    return {
+        k: (v * layers)[:layers]
+        for k, v in primary.items()
+        if isinstance(v, list)
+        and len(v) == depth
+        and len(set(map(str, v))) > 1
+        and all(isinstance(x, str) for x in v)
+    }
+
+
 def build_checkpoint(
-    causal_cls, sizes: dict, out_dir: str, seed: int, dtype, overrides=None
+    causal_cls,
+    sizes: dict,
+    out_dir: str,
+    seed: int,
+    dtype,
+    overrides=None,
+    source: str | None = None,
 ) -> dict:
     import torch
 
@@ -349,6 +385,9 @@ def build_checkpoint(
     # a layer-type list under the class's own name, filled for its full depth
     attribute_map = getattr(config_cls, "attribute_map", {}) or {}
     fit_layer_kinds(kwargs, defaults, attribute_map.get("layer_types"))
+    if source and "num_hidden_layers" in kwargs:
+        for key, kinds in every_layer_kind(source, kwargs["num_hidden_layers"]).items():
+            kwargs.setdefault(key, kinds)
     kwargs.update(overrides or {})
     torch.manual_seed(seed)
     try:
@@ -496,6 +535,8 @@ def checkpoint_job(job: dict) -> dict:
         job["seed"],
         dtype,
         model.get("overrides"),
+        # a model with a state cache: its mixers built beside its attention
+        model["source"] if model.get("state_cache") else None,
     )
     prime = [model["generated_arch"], "TransformersForCausalLM"]
     prime_model_info(prime + ([model["hf_arch"]] if model["native_class"] else []))

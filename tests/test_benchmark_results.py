@@ -172,3 +172,19 @@ def test_a_row_built_with_an_override_names_it():
         "qwen3", {"file_sha256": committed, "overrides": {"num_key_value_heads": 4}}
     )
     assert cell == "qwen3 (num_key_value_heads=4)"
+
+
+def test_a_hybrid_benchmark_checkpoint_builds_every_layer_kind():
+    """LFM2's config defaults to attention on every layer: the benchmark mixes its
+    short-convolution layers in as verify's tiny config does, over its own depth (a
+    benchmark of the default would time no ShortConv at all)."""
+    kinds = bench.every_layer_kind("transformers/models/lfm2/modeling_lfm2.py", 6)
+    assert list(kinds) == ["layer_types"]
+    assert len(kinds["layer_types"]) == 6
+    assert set(kinds["layer_types"]) == {"conv", "full_attention"}
+
+
+def test_the_lfm2_row_was_measured_with_its_short_convolutions():
+    results = json.loads((REPO / "benchmarks" / "results.json").read_text())
+    config = results["models"]["lfm2"]["checkpoint"]["config"]
+    assert "conv" in config["layer_types"], config
