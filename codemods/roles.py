@@ -200,6 +200,11 @@ def find(source: ModelSource, pymodule, causal_cls, probe: Probe) -> Roles:
     )
     method = layers_method(base, layers_attr)
     comp = None if method is not None else _layers_comprehension(base, layers_attr)
+    if comp is not None:
+        comp = _layer_table_inlined(comp, classes, pymodule)
+        for name in m.findall(comp.elt.func, m.Name()):
+            if name.value in classes:
+                _want(wanted, name.value, classes)
 
     specs = {
         n: attention_args.infer(classes[n], probe.calls_of(n), config, pymodule)
@@ -477,6 +482,27 @@ def _scopes(model, layers_attr: str, classes, layer_classes) -> dict[str, list[s
     for layer in layer_classes:
         walk(layer, "", 0)
     return {k: v for k, v in out.items() if v}
+
+
+def _layer_table_inlined(comp: cst.ListComp, classes, pymodule) -> cst.ListComp:
+    """`TABLE[config.layers_block_type[i]](config, ...)` over a module-level dict of
+    the source's layer classes (Jamba's `ALL_DECODER_LAYER_TYPES`) -> the dict written
+    out, so the emitted `make_layers` names each layer class it builds."""
+    func = comp.elt.func
+    if not m.matches(func, m.Subscript(value=m.Name(), slice=[m.SubscriptElement()])):
+        return comp
+    table = getattr(pymodule, func.value.value, None)
+    if not isinstance(table, dict) or not table or not all(
+        isinstance(k, str) and isinstance(v, type) and v.__name__ in classes
+        for k, v in table.items()
+    ):
+        return comp
+    literal = cst.parse_expression(
+        "{" + ", ".join(f"{k!r}: {v.__name__}" for k, v in table.items()) + "}"
+    )
+    return comp.with_changes(
+        elt=comp.elt.with_changes(func=func.with_changes(value=literal))
+    )
 
 
 def _class_tables(classes, wanted: list[str], pymodule) -> dict:

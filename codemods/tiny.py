@@ -233,6 +233,13 @@ def _fit_counts(values: dict, fields: dict, layers: int) -> None:
             continue
         if name.startswith("num_") and name.endswith("_layers") and default >= layers:
             values[name] = max(1, layers // 2)
+        elif name.endswith("_layer_period") and default >= layers:
+            # a kind placed every `period` layers from an offset (Jamba's attention
+            # every 8th layer from the 4th): every other layer, so both kinds are built
+            values[name] = 2
+            offset = name[: -len("period")] + "offset"
+            if offset in fields and offset not in values:
+                values[offset] = 1
         elif "vocab_size" in name and default > VOCAB:
             values[name] = VOCAB
 

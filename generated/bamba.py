@@ -253,7 +253,9 @@ class BambaDecoderLayer(nn.Module):
 
         num_experts = 1
         ffn_layer_class = BambaMLP if num_experts == 1 else None
-        self.feed_forward = ffn_layer_class(config)
+        self.feed_forward = ffn_layer_class(
+            config, quant_config=quant_config, prefix=f"{prefix}.feed_forward"
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

@@ -195,3 +195,37 @@ def test_falcon_mamba_in_vllm():
     assert out["ok"], out
     assert out["impl"] == "generated.falcon_mamba:FalconMambaForCausalLM", out
     assert out["tokens_equal"] and out["max_abs_logprob_diff"] <= 1e-4
+
+
+def test_jamba_builds_each_layer_kind_from_its_table_with_vllms_arguments():
+    """Jamba picks each layer's class from a module-level table and its feed-forward
+    block through a local (`ffn_layer_class = MoeBlock if n > 1 else MLP`): the
+    committed file names both layer classes in make_layers, and each feed-forward block
+    gets its prefix (vLLM's FusedMoE is keyed by it: without it, two layers collide)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "generated", "jamba.py")
+    flat = " ".join(open(path).read().split())
+    assert (
+        'lambda prefix: { "attention": JambaAttentionDecoderLayer, "mamba": '
+        "JambaMambaDecoderLayer, }[config.layers_block_type[extract_layer_index(prefix)]]"
+    ) in flat
+    built = (
+        "ffn_layer_class( config, quant_config=quant_config, "
+        'prefix=f"{prefix}.feed_forward" )'
+    )
+    assert flat.count(built) == 2
+    assert "ALL_DECODER_LAYER_TYPES" not in flat
+
+
+@pytest.mark.engine
+def test_jamba_in_vllm():
+    """Mamba-1 layers next to attention layers without rope, MoE blocks next to dense
+    ones (every layer kind the config can place), 8 decode steps."""
+    out = _verify("jamba")
+    assert out["ok"] and out["impl"] == "generated.jamba:JambaForCausalLM", out
+    assert out["tokens_equal"] and out["max_abs_logprob_diff"] <= 1e-4
+    assert {
+        "JambaMambaDecoderLayer",
+        "JambaAttentionDecoderLayer",
+        "JambaSparseMoeBlock",
+        "JambaMLP",
+    } <= set(out["kinds"])

@@ -105,3 +105,15 @@ def test_a_list_of_multipliers_gets_a_value_per_part():
     assert values["ssm_multipliers"] == [0.6, 0.75, 0.9, 1.05, 1.2]
     assert values["mlp_multipliers"] == [0.6, 0.75]
     assert values["mamba_norm_before_gate"] is False  # the order vLLM's norm takes
+
+
+def test_a_kind_placed_every_period_layers_is_built_in_the_tiny_depth():
+    # Jamba places attention every 8th layer from the 4th (none in four layers): every
+    # other layer from the 1st, so Mamba and attention layers are both built; its MoE
+    # blocks (every 2nd from the 1st) already fall inside
+    cls = _causal("modeling_jamba.py")
+    values = tiny.tiny_values(cls.config_class, None, tiny.source_layer_kinds(cls))
+    config = cls.config_class(**values)
+    assert set(config.layers_block_type) == {"mamba", "attention"}
+    assert (values["attn_layer_period"], values["attn_layer_offset"]) == (2, 1)
+    assert "expert_layer_period" not in values

@@ -165,6 +165,27 @@ _LINEAR_FUNC = m.Attribute(value=m.Name("nn"), attr=m.Name("Linear")) | m.Attrib
 )
 
 
+def _class_aliases(info: ClassInfo) -> dict[str, list[str]]:
+    """Locals of `__init__` naming a class, or one of several by a condition
+    (`ffn_layer_class = JambaSparseMoeBlock if num_experts > 1 else JambaMLP`)."""
+
+    def names(value) -> list[str] | None:
+        if isinstance(value, cst.Name):
+            return [value.value]
+        if isinstance(value, cst.IfExp):
+            body, orelse = names(value.body), names(value.orelse)
+            return body + orelse if body and orelse else None
+        return None
+
+    out = {}
+    if info.init is not None:
+        for a in m.findall(info.init, m.Assign(targets=[m.AssignTarget(m.Name())])):
+            found = names(a.value)
+            if found and isinstance(a.value, cst.IfExp):
+                out[a.targets[0].target.value] = found
+    return out
+
+
 def prefix_classes(
     classes: dict[str, ClassInfo],
     wanted: set[str],
@@ -227,6 +248,7 @@ class _InitRewrite(cst.CSTTransformer):
         self.info, self.ctx = info, ctx
         self.path: list[str] = []
         self.base_changed = False
+        self.aliases = _class_aliases(info)
 
     # path tracking -------------------------------------------------------------
     def visit_Assign(self, node: cst.Assign):
@@ -299,6 +321,18 @@ class _InitRewrite(cst.CSTTransformer):
             return cst.parse_expression(
                 claim.pattern.construction(claim, updated, path)
             )
+        # the source's classes it may name (`None` on a branch that builds nothing)
+        alts = [c for c in self.aliases.get(func, []) if c in self.ctx.classes]
+        if alts and path is not None and any(c in self.ctx.prefix_classes for c in alts):
+            # `cls = MoeBlock if n > 1 else MLP; self.ffn = cls(config)` (Jamba): a
+            # local naming copied classes, built with vLLM's arguments like them
+            if not all(c in self.ctx.prefix_classes for c in alts):
+                raise CodemodError(
+                    f"cannot generate: {self.info.name} builds self.{path} from "
+                    f"`{func}`, which names {' or '.join(alts)}, of which only some "
+                    "hold vLLM layers"
+                )
+            func = alts[0]
         if func in self.ctx.prefix_classes:
             if path is None:
                 if func in self.ctx.attention or _holds_attention(func, self.ctx):
