@@ -424,6 +424,10 @@ class RMSNormPattern(Pattern):
                 for o in model.roles.wanted
                 if not model.claimed_whole(o)
             ]
+            if not any(_builds(info, n) for info in owners) and any(
+                _builds(model.classes[o], n) for o in model.roles.wanted
+            ):
+                continue  # built only inside a claimed class (a mixer's norms): not emitted
             try:
                 if not kinds:
                     # built only under another tiny config (Cohere2-MoE's RMSNorm or
@@ -449,6 +453,10 @@ class RMSNormPattern(Pattern):
 
     def construction(self, claim: Claim, call: cst.Call, path: str | None) -> str:
         return claim.spec.construction(call)
+
+
+def _builds(info: ClassInfo, cls: str) -> bool:
+    return any(dotted_name(c.func) == cls for c in m.findall(info.node, m.Call()))
 
 
 def _built_alone(spec: NormSpec, cls):

@@ -16,7 +16,6 @@
 #   Unfused: decoder layer (FalconH1DecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (FalconH1Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: module (FalconH1MLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
-#   Refused: FalconH1RMSNormGated (FalconH1RMSNormGated): no `pow` in the traced forward
 #   Refused: gate/up projections (FalconH1MLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: q/k/v projections (FalconH1Attention): `self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2) * self.key_multiplier` between a projection and attention
 #   Refused: residual add + norm (FalconH1DecoderLayer): forward does not end with `return <hidden states>`

@@ -14,7 +14,6 @@
 #   Fused: norm (FalconMambaBlock) -> norm (RMSNorm)
 #   Unfused: decoder layer (FalconMambaBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: Python loop (FalconMambaMixer): on vLLM's CPU build only: its selective scan runs in torch one step per token (`selective_scan_by_steps`), as vLLM's CPU build has no kernel for Mamba-1's scan; vLLM's kernels everywhere else
-#   Refused: FalconMambaWeightlessRMSNorm (FalconMambaWeightlessRMSNorm): none of vLLM's RMSNorm forms computes it (RMSNorm: the fused form differs (max rel err 6.7e-01 > 1e-05))
 #   Refused: residual add + norm (FalconMambaBlock): `hidden_states = self.norm(hidden_states.to(dtype=self.norm.weight.dtype))` is not a norm of the saved stream
 # ======================================================================================
 """Native vLLM implementation of FalconMambaForCausalLM, generated from transformers/models/falcon_mamba/modeling_falcon_mamba.py."""

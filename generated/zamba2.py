@@ -23,7 +23,6 @@
 #   Unfused: attention (Zamba2Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: tensor parallel (Zamba2MLP): replicated: sharded over 2 ranks it fails (RuntimeError: The size of tensor a (688) must match the size of tensor b (1376) at non-singleton dimension 2)
 #   Unfused: tensor parallel (Zamba2Attention): replicated: sharded over 2 ranks it fails (RuntimeError: The size of tensor a (320) must match the size of tensor b (640) at non-singleton dimension 2)
-#   Refused: Zamba2RMSNormGated (Zamba2RMSNormGated): no `pow` in the traced forward
 #   Refused: gate/up projections (Zamba2MLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: q/k/v projections (Zamba2Attention): no single attention call in the traced forward
 #   Refused: residual add + norm (Zamba2MambaDecoderLayer): `# `transformer_hidden_states` is the output from shared transformer + linear layer (see fig. 2 in https://huggingface.co/papers/2405.16712).` is not a norm of the saved stream

@@ -229,3 +229,15 @@ def test_jamba_in_vllm():
         "JambaSparseMoeBlock",
         "JambaMLP",
     } <= set(out["kinds"])
+
+
+def test_a_norm_built_only_inside_a_claimed_mixer_is_not_reported(tmp_path):
+    """Falcon-Mamba's weightless dt/B/C norms live inside its mixer, which vLLM's
+    MambaMixer replaces whole (its own norms, proven with the mixer): no norm line."""
+    result = run_cli(
+        "codemods.apply", "modeling_falcon_mamba.py", "--out", str(tmp_path)
+    )
+    assert result.returncode == 0, result.stderr
+    report = result.stdout + result.stderr
+    assert "Fused: in_proj + conv1d + x_proj + dt_proj + dt/B/C norms" in report
+    assert "FalconMambaWeightlessRMSNorm" not in report
