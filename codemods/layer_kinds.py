@@ -343,8 +343,9 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
         if why:
             raise CodemodError(
                 f"out of scope: {kind} keeps state across decode steps besides the KV "
-                f"cache ({why}); vLLM serves such a layer only with its own state cache "
-                "(its lfm2.py ShortConv, its mamba layers), which no pattern maps yet"
+                f"cache ({why}); vLLM serves such a layer only with its own state cache, "
+                "and no pattern maps this one onto it yet (mapped: short convolutions, "
+                "Mamba-1 and Mamba-2 mixers)"
             )
     for kind, condition in found.unbuilt.items():
         raise CodemodError(
