@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from fusion_patterns.base import CLASS, CONSTRUCTION, Claim, ClassInfo, Refusal
 from fusion_patterns.registry import PATTERNS
+from fusion_patterns.rms_norm import NAME as RMS_NORM
 from fusion_patterns.rms_norm import match as norm_match
 
 from .probe import Probe
@@ -60,8 +61,6 @@ class Model:
     def norm_specs(self) -> dict:
         """{norm class: its spec} of the norms claimed so far (every construction of
         them is vLLM's norm)."""
-        from fusion_patterns.rms_norm import NAME as RMS_NORM
-
         # a stateful mixer is claimed per construction too: not a norm
         return {
             c.class_name: c.spec

@@ -22,6 +22,7 @@ from fusion_patterns.base import ClassInfo, ClassTable, code, dotted_name, linea
 
 from .copying import attention as attention_args
 from .copying import eager_attention
+from .copying.simplify import Substitute
 from .errors import CodemodError
 from .attention_calls import interface_call
 from .probe import PROBE_TOKENS, Probe
@@ -397,12 +398,7 @@ def appended_layers(base: ClassInfo, value: cst.BaseExpression) -> cst.ListComp 
         # `layer_class = TABLE[config.layers_block_type[i]]` before the append (Jamba):
         # put back into the call, so the comprehension is one expression
         values = {a.body[0].targets[0].target.value: a.body[0].value for a in assigns}
-
-        class PutBack(cst.CSTTransformer):
-            def leave_Name(self, original, updated):
-                return values.get(original.value, updated)
-
-        call = call.visit(PutBack())
+        call = call.visit(Substitute(values))
         return cst.ListComp(call, cst.CompFor(target=loop.target, iter=loop.iter))
     return None
 
@@ -429,7 +425,7 @@ def layer_loop(name: str) -> m.For:
                             )
                         )
                     ]
-                )
+                ),
             ]
         ),
         orelse=None,
@@ -484,6 +480,17 @@ def _scopes(model, layers_attr: str, classes, layer_classes) -> dict[str, list[s
     return {k: v for k, v in out.items() if v}
 
 
+def _table_of_classes(pymodule, name: str, classes) -> dict[str, str] | None:
+    """{key: class name} of a module-level dict of the source's classes, else None."""
+    table = getattr(pymodule, name, None)
+    if not isinstance(table, dict) or not all(
+        isinstance(k, str) and isinstance(v, type) and v.__name__ in classes
+        for k, v in table.items()
+    ):
+        return None
+    return {k: v.__name__ for k, v in table.items()}
+
+
 def _layer_table_inlined(comp: cst.ListComp, classes, pymodule) -> cst.ListComp:
     """`TABLE[config.layers_block_type[i]](config, ...)` over a module-level dict of
     the source's layer classes (Jamba's `ALL_DECODER_LAYER_TYPES`) -> the dict written
@@ -491,14 +498,11 @@ def _layer_table_inlined(comp: cst.ListComp, classes, pymodule) -> cst.ListComp:
     func = comp.elt.func
     if not m.matches(func, m.Subscript(value=m.Name(), slice=[m.SubscriptElement()])):
         return comp
-    table = getattr(pymodule, func.value.value, None)
-    if not isinstance(table, dict) or not table or not all(
-        isinstance(k, str) and isinstance(v, type) and v.__name__ in classes
-        for k, v in table.items()
-    ):
+    table = _table_of_classes(pymodule, func.value.value, classes)
+    if not table:
         return comp
     literal = cst.parse_expression(
-        "{" + ", ".join(f"{k!r}: {v.__name__}" for k, v in table.items()) + "}"
+        "{" + ", ".join(f"{k!r}: {v}" for k, v in table.items()) + "}"
     )
     return comp.with_changes(
         elt=comp.elt.with_changes(func=func.with_changes(value=literal))
@@ -516,16 +520,13 @@ def _class_tables(classes, wanted: list[str], pymodule) -> dict:
                 m.Call(func=m.Subscript(value=m.Name(), slice=[m.SubscriptElement()])),
             ):
                 continue
-            table = getattr(pymodule, value.func.value.value, None)
-            if not isinstance(table, dict) or not all(
-                isinstance(k, str) and isinstance(v, type) and v.__name__ in classes
-                for k, v in table.items()
-            ):
+            table = _table_of_classes(pymodule, value.func.value.value, classes)
+            if table is None:
                 continue
             key = code(value.func.slice[0].slice.value)
             if "_attn_implementation" in key:
                 continue  # one class for the model: the eager one (`_looked_up`)
-            out[(n, attr)] = ClassTable(key, {k: v.__name__ for k, v in table.items()})
+            out[(n, attr)] = ClassTable(key, table)
     return out
 
 

@@ -53,6 +53,15 @@ NEG_EXP_A_LOG = m.UnaryOperation(
 )
 
 
+_CONV = ("nn.Conv1d", "torch.nn.Conv1d")
+
+
+def conv_attrs(info: ClassInfo) -> list[str]:
+    """The attributes `__init__` builds as a `nn.Conv1d` (a mixer's conv over the
+    sequence)."""
+    return [a for a in info.attrs if info.constructed_class(a) in _CONV]
+
+
 class StateMixer(Pattern):
     """A mixer that keeps state across decode steps, claimed per construction: the
     class is not emitted, each construction is vLLM's layer keyed by its module path
@@ -246,6 +255,25 @@ def compared(source, vllm, prompt: int, steps: int, tolerance: float, names) -> 
         require_close(
             got[t], want[t], f"decode step {i + 1} ({carried} carried)", tolerance
         )
+
+
+def evaluated(exprs: dict[str, cst.BaseExpression], config) -> dict:
+    """A mixer's sizes (the source's expressions over `config`) on `config`."""
+    try:
+        return {
+            k: eval(code(v), {"config": config}) for k, v in exprs.items()
+        }  # noqa: S307
+    except Exception as exc:  # noqa: BLE001 - an expression the config cannot give
+        raise PatternRefused(f"its sizes do not evaluate on the config: {exc}") from exc
+
+
+def require_shapes(expect: dict[str, tuple]) -> None:
+    """{what: (the instance's shape, the one the read sizes give)}: equal, or refused."""
+    for what, (have, want) in expect.items():
+        if have != want:
+            raise PatternRefused(
+                f"{what} is {have}, the sizes it was read with give {want}"
+            )
 
 
 def proven_with_flags(prove_one, info, module, config, constants=None) -> None:

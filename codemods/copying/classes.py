@@ -166,7 +166,7 @@ _LINEAR_FUNC = m.Attribute(value=m.Name("nn"), attr=m.Name("Linear")) | m.Attrib
 
 
 def _class_aliases(info: ClassInfo) -> dict[str, list[str]]:
-    """Locals of `__init__` naming a class, or one of several by a condition
+    """Locals of `__init__` naming one of several classes by a condition
     (`ffn_layer_class = JambaSparseMoeBlock if num_experts > 1 else JambaMLP`)."""
 
     def names(value) -> list[str] | None:

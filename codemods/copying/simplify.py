@@ -340,9 +340,10 @@ def _single_name(stmt) -> str | None:
     return None
 
 
-class _Propagate(cst.CSTTransformer):
-    """Names assigned once to a literal (True/False/None, after folding) and never
-    rebound: their loads become the literal."""
+class Substitute(cst.CSTTransformer):
+    """Each load of a name in `values` becomes its expression; keywords, attribute
+    names and assignment targets stay (here: names assigned once to a literal and
+    never rebound become the literal)."""
 
     def __init__(self, values: dict[str, cst.BaseExpression]):
         self.values = values
@@ -429,7 +430,7 @@ def simplify_function(
             k: v for k, v in literal.items() if counts.get(k) == 1 and k not in params
         }
         if values:
-            func = func.with_changes(body=func.body.visit(_Propagate(values)))
+            func = func.with_changes(body=func.body.visit(Substitute(values)))
         # dead pure stores (names assigned and never read)
         read = set(loads(func.body))
         dead = {n for n in stores(func.body) if n not in read}

@@ -75,7 +75,7 @@ class Mamba1(StateMixer):
         return LoaderHook(methods, weights="self._mamba1_a({weights})")
 
     def helpers(self, claim: Claim) -> tuple[str, ...]:
-        return (emit.SCAN_BY_STEPS, CALL)
+        return (emit.SCAN_BY_STEPS, emit.CPU_MIXER, CALL)
 
     def slow_paths(self, claim: Claim) -> tuple[tuple[str, str], ...]:
         return (

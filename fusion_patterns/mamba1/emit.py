@@ -78,6 +78,11 @@ def selective_scan_by_steps(x, dt, A, B, C, D, z, dt_bias, ssm_state, starts, sl
     return (y * torch.nn.functional.silu(z.float())).to(x.dtype)
 
 
+'''
+
+
+# vLLM's MambaMixer, with the scan above where vLLM's build has no kernel for it
+CPU_MIXER = '''
 class MambaMixerOnCPU(MambaMixer):
     """vLLM's MambaMixer. vLLM's CPU build has no selective-scan kernel for a prefill,
     and its CPU state-update kernel takes one decay per head (Mamba-2's), not Mamba-1's

@@ -19,7 +19,7 @@ import libcst.matchers as m
 
 from ..base import ClassInfo, PatternRefused, Refusal, code, is_linear, linear_args
 from ..moe.match import resolve as resolve_attrs
-from ..state_layers import NEG_EXP_A_LOG
+from ..state_layers import NEG_EXP_A_LOG, conv_attrs
 
 NAME = "mamba1"
 VLLM_CLASS = "MambaMixer"
@@ -36,7 +36,6 @@ SIZES = {
 # the projections MambaMixer builds, by the names it loads them under
 PROJECTIONS = ("in_proj", "x_proj", "dt_proj", "out_proj")
 NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
-_CONV = ("nn.Conv1d", "torch.nn.Conv1d")
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,7 @@ class Mamba1Spec:
 def is_candidate(info: ClassInfo) -> bool:
     if info.forward is None or info.init is None:
         return False
-    convs = [a for a in info.attrs if info.constructed_class(a) in _CONV]
+    convs = conv_attrs(info)
     return (
         bool(convs)
         and all(p in info.attrs for p in ("A_log", "D", "x_proj", "dt_proj"))
@@ -77,7 +76,7 @@ def match(info: ClassInfo) -> Mamba1Spec | Refusal | None:
 def _read(info: ClassInfo) -> Mamba1Spec:
     if not m.findall(info.forward, NEG_EXP_A_LOG):
         raise PatternRefused("forward does not take A = -exp(self.A_log.float())")
-    convs = [a for a in info.attrs if info.constructed_class(a) in _CONV]
+    convs = conv_attrs(info)
     if len(convs) != 1:
         raise PatternRefused(f"{len(convs)} nn.Conv1d, expected one")
     if convs[0] != "conv1d":  # the name MambaMixer loads its conv weight under

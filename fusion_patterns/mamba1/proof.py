@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import copy
 
-from ..base import PatternRefused, code
-from ..state_layers import compared, proven_with_flags, source_outputs
+from ..base import PatternRefused
+from ..state_layers import (
+    compared,
+    evaluated,
+    proven_with_flags,
+    require_shapes,
+    source_outputs,
+)
 from .emit import SCAN_BY_STEPS
 from .match import NORMS, Mamba1Spec
 
 STEPS = 8
 TOLERANCE = 1e-4  # the scan sums in another order on each side
-
-
-def sizes(spec: Mamba1Spec, config) -> dict:
-    env = {"config": config}
-    try:
-        return {k: eval(code(v), env) for k, v in spec.args.items()}  # noqa: S307
-    except Exception as exc:  # noqa: BLE001 - an expression the config cannot give
-        raise PatternRefused(f"its sizes do not evaluate on the config: {exc}") from exc
 
 
 def prove(
@@ -47,20 +45,18 @@ def prove(
 def norm_weights(spec: Mamba1Spec, module) -> bool:
     """The source's norms hold a weight the checkpoint has (Jamba), or none (Falcon-
     Mamba's weightless norm: a buffer of ones it never reads)."""
-    held = {
-        a: any(True for _ in getattr(module, a).parameters())
-        for a in NORMS
-        if spec.normed
-    }
-    if len(set(held.values())) > 1:
+    if not spec.normed:
+        return True
+    held = {any(True for _ in getattr(module, a).parameters()) for a in NORMS}
+    if len(held) > 1:
         raise PatternRefused("some of its norms hold a weight and some do not")
-    return next(iter(held.values()), True)
+    return held.pop()
 
 
 def _prove_one(spec: Mamba1Spec, module, config, steps: int) -> None:
     import torch
 
-    args = sizes(spec, config)
+    args = evaluated(spec.args, config)
     _check_shapes(spec, module, args)
     module = _randomised(module, spec)
     prompt = args["conv_kernel_size"] + 6
@@ -90,11 +86,7 @@ def _check_shapes(spec: Mamba1Spec, module, args: dict) -> None:
             (inter, 1, kernel),
         ),
     }
-    for what, (have, want) in expect.items():
-        if have != want:
-            raise PatternRefused(
-                f"{what} is {have}, the sizes it was read with give {want}"
-            )
+    require_shapes(expect)
 
 
 def _randomised(module, spec: Mamba1Spec):
@@ -137,7 +129,7 @@ def _vllm(module, spec: Mamba1Spec, args: dict, x, prompt: int):
 
     if current_platform.is_cpu():
         space = {"torch": torch}
-        exec(SCAN_BY_STEPS.split("\nclass ")[0], space)  # noqa: S102 - our own text
+        exec(SCAN_BY_STEPS, space)  # noqa: S102 - the text the file holds
         scan = space["selective_scan_by_steps"]
 
         def step(h, dt, A, B, C, gate, dt_bias, ssm_state, slot):

@@ -19,7 +19,7 @@ import libcst.matchers as m
 
 from ..base import ClassInfo, PatternRefused, Refusal, code, is_linear, linear_args
 from ..moe.match import resolve as resolve_attrs
-from ..state_layers import NEG_EXP_A_LOG
+from ..state_layers import NEG_EXP_A_LOG, conv_attrs
 
 NAME = "mamba2"
 VLLM_CLASS = "MambaMixer2"
@@ -74,11 +74,8 @@ class Mamba2Spec:
 def is_candidate(info: ClassInfo) -> bool:
     if info.forward is None or info.init is None:
         return False
-    convs = [a for a in info.attrs if info.constructed_class(a) in _CONV]
+    convs = conv_attrs(info)
     return bool(convs) and all(p in info.attrs for p in PARAMETERS)
-
-
-_CONV = ("nn.Conv1d", "torch.nn.Conv1d")
 
 
 def match(info: ClassInfo) -> Mamba2Spec | Refusal | None:
@@ -93,7 +90,7 @@ def match(info: ClassInfo) -> Mamba2Spec | Refusal | None:
 def _read(info: ClassInfo) -> Mamba2Spec:
     if not m.findall(info.forward, NEG_EXP_A_LOG):
         raise PatternRefused("forward does not take A = -exp(self.A_log.float())")
-    convs = [a for a in info.attrs if info.constructed_class(a) in _CONV]
+    convs = conv_attrs(info)
     if len(convs) != 1:
         raise PatternRefused(f"{len(convs)} nn.Conv1d, expected one")
     called = _self_calls(info.forward)

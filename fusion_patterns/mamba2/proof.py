@@ -16,7 +16,15 @@ import copy
 import math
 
 from ..base import PatternRefused, code
-from ..state_layers import compared, config_flags, flipped, rebuilt, source_outputs
+from ..state_layers import (
+    compared,
+    config_flags,
+    evaluated,
+    flipped,
+    rebuilt,
+    require_shapes,
+    source_outputs,
+)
 from .match import Mamba2Spec
 
 STEPS = 8
@@ -25,15 +33,11 @@ TOLERANCE = 1e-4  # the scan sums in a different order on each side
 
 def sizes(spec: Mamba2Spec, config) -> dict:
     """The MambaMixer2 arguments evaluated on `config`."""
-    env = {"config": config}
     exprs = {**spec.args}
     for k in ("use_rms_norm", "in_scale"):
         if getattr(spec, k) is not None:
             exprs[k] = getattr(spec, k)
-    try:
-        out = {k: eval(code(v), env) for k, v in exprs.items()}  # noqa: S307
-    except Exception as exc:  # noqa: BLE001 - an expression the config cannot give
-        raise PatternRefused(f"its sizes do not evaluate on the config: {exc}") from exc
+    out = evaluated(exprs, config)
     out.setdefault("use_rms_norm", True)
     out.setdefault("in_scale", 1.0)
     return out
@@ -137,11 +141,7 @@ def _check_shapes(spec: Mamba2Spec, module, args: dict) -> None:
         "the conv's channels": (getattr(module, spec.conv).weight.shape[0], conv_dim),
         "heads x head_dim": (heads * args["head_dim"], inter),
     }
-    for what, (have, want) in expect.items():
-        if have != want:
-            raise PatternRefused(
-                f"{what} is {have}, the sizes it was read with give {want}"
-            )
+    require_shapes(expect)
 
 
 def _gated_norm(weight, y, gate, groups: int, eps: float):

@@ -19,12 +19,12 @@ import libcst.matchers as m
 
 from ..base import ClassInfo, PatternRefused, Refusal, code, is_linear, linear_args
 from ..moe.match import resolve as resolve_attrs
+from ..state_layers import conv_attrs
 
 NAME = "short_conv"
 VLLM_CLASS = "ShortConv"
 WHAT = "gated short convolution"
 
-_CONV = ("nn.Conv1d", "torch.nn.Conv1d")
 _PARAMETER = m.Call(
     func=m.Attribute(value=m.Name("nn"), attr=m.Name("Parameter")) | m.Name("Parameter")
 )
@@ -51,7 +51,7 @@ class ShortConvSpec:
 def is_candidate(info: ClassInfo) -> bool:
     if info.forward is None or info.init is None:
         return False
-    convs = [a for a in info.attrs if info.constructed_class(a) in _CONV]
+    convs = conv_attrs(info)
     owns = any(m.matches(v, _PARAMETER) for v in info.attrs.values())
     return len(convs) == 1 and not owns and bool(m.findall(info.forward, _CHUNK3))
 
@@ -66,7 +66,7 @@ def match(info: ClassInfo) -> ShortConvSpec | Refusal | None:
 
 
 def _read(info: ClassInfo) -> ShortConvSpec:
-    conv = next(a for a in info.attrs if info.constructed_class(a) in _CONV)
+    conv = conv_attrs(info)[0]
     called = list(
         dict.fromkeys(
             c.func.attr.value

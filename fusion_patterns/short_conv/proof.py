@@ -12,8 +12,14 @@ from __future__ import annotations
 
 import copy
 
-from ..base import PatternRefused, code
-from ..state_layers import compared, proven_with_flags, source_outputs
+
+from ..state_layers import (
+    compared,
+    evaluated,
+    proven_with_flags,
+    require_shapes,
+    source_outputs,
+)
 from .match import ShortConvSpec
 
 STEPS = 8
@@ -22,14 +28,7 @@ TOLERANCE = 1e-4  # the conv sums its taps in another order on each side
 
 def sizes(spec: ShortConvSpec, config) -> dict:
     """ShortConv's `dim`, `conv_L_cache` and `conv_bias` evaluated on `config`."""
-    env = {"config": config}
-    try:
-        return {
-            k: eval(code(getattr(spec, k)), env)  # noqa: S307
-            for k in ("dim", "kernel", "bias")
-        }
-    except Exception as exc:  # noqa: BLE001 - an expression the config cannot give
-        raise PatternRefused(f"its sizes do not evaluate on the config: {exc}") from exc
+    return evaluated({k: getattr(spec, k) for k in ("dim", "kernel", "bias")}, config)
 
 
 def prove(spec: ShortConvSpec, module, config, steps: int = STEPS) -> None:
@@ -75,11 +74,7 @@ def _check_shapes(spec: ShortConvSpec, module, args: dict) -> None:
         ),
         "the conv's weight": (tuple(conv.weight.shape), (dim, 1, kernel)),
     }
-    for what, (have, want) in expect.items():
-        if have != want:
-            raise PatternRefused(
-                f"{what} is {have}, the sizes it was read with give {want}"
-            )
+    require_shapes(expect)
 
 
 def _randomised(module, spec: ShortConvSpec):
