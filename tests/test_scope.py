@@ -106,14 +106,15 @@ def test_an_either_ids_or_embeddings_check_is_not_a_required_input():
 
 
 def test_a_file_in_which_nothing_attends_is_out_of_scope_before_any_build(tmp_path):
-    """Mamba (1)'s mixer is a selective scan no pattern maps yet (Mamba 2's is: that
-    file is generated): said from the source, before any tiny model is built."""
-    result = run_cli("codemods.apply", "modeling_mamba.py", "--out", str(tmp_path))
+    """RWKV's time mixing is a recurrence no pattern maps (Mamba's selective scans are
+    mapped: those files are generated): said from the source, before any tiny model is
+    built."""
+    result = run_cli("codemods.apply", "modeling_rwkv.py", "--out", str(tmp_path))
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
     assert lines[0].startswith(
-        "error: out of scope: no class of modeling_mamba.py calls transformers' "
+        "error: out of scope: no class of modeling_rwkv.py calls transformers' "
         "attention interface"
     )
     assert not list(tmp_path.iterdir())
