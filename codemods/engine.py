@@ -75,8 +75,16 @@ def set_cpu_env(tp: int, pp: int) -> None:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
-def start_llm(model_dir: str, arch: str, tp: int = 1, pp: int = 1, **extra):
-    """vLLM's `LLM` as every run here starts it: fp32, no tokenizer, `arch` forced."""
+def start_llm(
+    model_dir: str,
+    arch: str,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str = "float32",
+    **extra,
+):
+    """vLLM's `LLM` as every run here starts it: fp32 (unless a file says its CPU
+    kernels take only `dtype`), no tokenizer, `arch` forced."""
     set_cpu_env(tp, pp)
     from vllm import LLM
 
@@ -92,7 +100,7 @@ def start_llm(model_dir: str, arch: str, tp: int = 1, pp: int = 1, **extra):
     return LLM(
         model=model_dir,
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=dtype,
         max_model_len=256,
         seed=0,
         tensor_parallel_size=tp,
@@ -211,6 +219,7 @@ def run(
     expert_parallel: bool = False,
     model_impl: str | None = None,
     block_size: int | None = None,
+    dtype: str = "float32",
 ) -> EngineResult:
     from vllm.distributed import cleanup_dist_env_and_memory
 
@@ -220,7 +229,7 @@ def run(
     if model_impl:
         extra["model_impl"] = model_impl
     with _FusedLines() as fused:
-        llm = start_llm(model_dir, arch, tp, pp, **extra)
+        llm = start_llm(model_dir, arch, tp, pp, dtype=dtype, **extra)
     result_fused = fused.lines
     try:
         impls = set(llm.apply_model(model_class_name))

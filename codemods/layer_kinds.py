@@ -320,7 +320,7 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
 
     from transformers import PreTrainedModel
 
-    from fusion_patterns.registry import state_patterns
+    from fusion_patterns.registry import mapped_state_kinds, state_patterns
 
     from .errors import CodemodError
 
@@ -344,8 +344,9 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
             raise CodemodError(
                 f"out of scope: {kind} keeps state across decode steps besides the KV "
                 f"cache ({why}); vLLM serves such a layer only with its own state cache, "
-                "and no pattern maps this one onto it yet (mapped: short convolutions, "
-                "Mamba-1 and Mamba-2 mixers)"
+                "and no pattern maps this one onto it yet (mapped: "
+                + ", ".join(mapped_state_kinds())
+                + ")"
             )
     for kind, condition in found.unbuilt.items():
         raise CodemodError(

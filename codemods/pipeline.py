@@ -84,4 +84,7 @@ def _emit(model: claims.Model) -> tuple[Plan, str]:
     built = assembly.assemble(model, copied, defs, plan)
     plan.unfused += built.unfused
     plan.environment.update(built.environment)
+    plan.cpu_dtype = next(
+        (c.pattern.cpu_dtype for c in model.claims if c.pattern.cpu_dtype), None
+    )
     return plan, built.text

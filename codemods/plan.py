@@ -27,6 +27,9 @@ class Plan:
     # vLLM's per-architecture config setup the file is registered with (an
     # attention-free state model: `MambaModelConfig` sizes its state blocks)
     vllm_config: str = ""
+    # (dtype, why): the only dtype vLLM's CPU build runs the file in (its header says
+    # so; `verify` runs it so on CPU)
+    cpu_dtype: tuple[str, str] | None = None
 
     @property
     def layout(self) -> str:

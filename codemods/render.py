@@ -42,6 +42,11 @@ def header(plan: Plan) -> str:
             for k, v in sorted(plan.environment.items())
         ),
         *(
+            [f"# cpu dtype:     {plan.cpu_dtype[0]} ({plan.cpu_dtype[1]})"]
+            if plan.cpu_dtype
+            else []
+        ),
+        *(
             [f"# vllm config:   {plan.vllm_config} (the setup vLLM gives such a model)"]
             if plan.vllm_config
             else []

@@ -587,17 +587,24 @@ def build_checkpoint(
     raw_config: dict | None = None,
     seed: int = 0,
     layout: str = "saved",
+    rounded_to: torch.dtype | None = None,
 ):
     """Save a random-weight fp32 safetensors checkpoint and return the transformers model
     loaded back from it, so the reference reads the same files the engine reads.
 
-    `raw_config` (a shrunk published config) is written as config.json verbatim."""
+    `raw_config` (a shrunk published config) is written as config.json verbatim.
+    `rounded_to` (bf16): every weight is a value of that dtype, so an engine loading the
+    checkpoint in it holds the very weights the fp32 reference computes with."""
     torch.manual_seed(seed)
     config.architectures = [causal_cls.__name__]
     # the source's experts loop, not transformers' library kernel for it (see probe.build)
     config._experts_implementation = "eager"
     model = causal_cls(config).to(torch.float32).eval()
     randomize(model, seed)
+    if rounded_to is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(rounded_to).float())
     model.save_pretrained(out_dir, safe_serialization=True)
     if layout == "in-memory":
         _save_state_dict(model, out_dir)

@@ -301,6 +301,8 @@ class Pattern:
     whole_on_ranks = ""
     # its CONSTRUCTION is a vLLM layer keyed by its module path: builders take `prefix`
     keyed_by_prefix = False
+    # (dtype, why): vLLM's CPU build runs what it emits in this dtype only
+    cpu_dtype: tuple[str, str] | None = None
 
     def claim(self, model) -> Iterable[Claim | Refusal]:
         raise NotImplementedError

@@ -11,6 +11,7 @@ for a count from the cache, and the residual fold last.
 """
 
 from .cache_positions import CachePositions
+from .gated_delta_net import GatedDeltaNet
 from .glu import GLU
 from .mamba1 import Mamba1
 from .mamba2 import Mamba2
@@ -22,11 +23,13 @@ from .routed_experts import RoutedExperts
 from .rms_norm import RMSNormPattern
 from .rotary import Rope
 from .short_conv import ShortConvPattern
+from .state_layers import StateMixer
 
 PATTERNS = (
     Mamba2(),
     Mamba1(),
     ShortConvPattern(),
+    GatedDeltaNet(),
     RMSNormPattern(),
     MoE(),
     RoutedExperts(),
@@ -38,6 +41,11 @@ PATTERNS = (
     CachePositions(),
     ResidualFold(),
 )
+
+
+def mapped_state_kinds() -> list[str]:
+    """What the stateful-mixer patterns map ("Mamba-2 mixer", "gated DeltaNet", ...)."""
+    return [p.what for p in PATTERNS if isinstance(p, StateMixer)]
 
 
 def state_patterns(info) -> set[str]:

@@ -62,6 +62,17 @@ def conv_attrs(info: ClassInfo) -> list[str]:
     return [a for a in info.attrs if info.constructed_class(a) in _CONV]
 
 
+def read_or_refused(info: ClassInfo, candidate, read, name: str, what: str):
+    """A mixer's match: None where `info` is no `candidate`, else `read(info)`'s spec,
+    or a `Refusal` with why a candidate cannot be read."""
+    if not candidate(info):
+        return None
+    try:
+        return read(info)
+    except PatternRefused as exc:
+        return Refusal(name, info.name, what, str(exc))
+
+
 class StateMixer(Pattern):
     """A mixer that keeps state across decode steps, claimed per construction: the
     class is not emitted, each construction is vLLM's layer keyed by its module path
@@ -128,6 +139,7 @@ class StateKind:
 MAMBA1 = StateKind("mamba1", ssm_dtype=True, num_spec=False)
 MAMBA2 = StateKind("mamba2", ssm_dtype=True, num_spec=True)
 SHORT_CONV = StateKind("short_conv", ssm_dtype=False, num_spec=True)
+GATED_DELTA_NET = StateKind("gated_delta_net", ssm_dtype=True, num_spec=True)
 
 
 def state_methods(kind: StateKind, shape: dict[str, str]) -> str:

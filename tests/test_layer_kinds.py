@@ -48,13 +48,17 @@ def test_lfm2_builds_its_short_convolution_beside_attention():
 
 
 def test_a_stateful_mixer_no_pattern_maps_is_out_of_scope():
-    result = run_cli("codemods.apply", "modeling_olmo_hybrid.py", "--check")
+    result = run_cli("codemods.apply", "modeling_kimi_linear.py", "--check")
     assert result.returncode == 2
     assert (
-        "out of scope: OlmoHybridGatedDeltaNet keeps state across decode steps"
+        "out of scope: KimiLinearDeltaAttention keeps state across decode steps"
         in result.stderr
     )
     assert "nn.Conv1d" in result.stderr
+    # what is mapped, from the registry
+    assert "(mapped: Mamba-2 mixer, Mamba-1 mixer, gated short convolution, " in (
+        result.stderr
+    )
 
 
 @pytest.mark.parametrize(

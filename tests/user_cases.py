@@ -24,6 +24,7 @@ import transformers  # noqa: E402
 
 import user_checkpoints as uc  # noqa: E402
 from codemods import engine, reference, registration, tiny  # noqa: E402
+from codemods.reduced_precision import tie_gaps  # noqa: E402
 from codemods.verify import MAX_TOKENS, compare, prompts_for  # noqa: E402
 
 LAYER0 = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -92,22 +93,6 @@ def layer0_modules(model, linears=LAYER0) -> dict:
     return out
 
 
-def divergence_gaps(prompts, ref, ran) -> list[float]:
-    """For each prompt whose greedy tokens differ, at the first step they differ: how
-    far below the reference's own pick the token vLLM picked lies in the reference's
-    logprobs. Int8 GEMMs round differently per CPU (VNNI, AMX, AVX2), so a near tie in
-    the reference may break either way; a wrong model's pick lies far below."""
-    gaps = []
-    for prompt, (ref_tokens, ref_lp), tokens in zip(prompts, ref, ran.tokens):
-        step = next(
-            (i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), None
-        )
-        if step is not None:
-            row = ref_lp[len(prompt) - 1 + step]
-            gaps.append(float(row[ref_tokens[step]] - row[tokens[step]]))
-    return gaps
-
-
 def quantized(spec: dict, tmp: Path) -> dict:
     model, prompts = build(spec["arch"], tmp / "base")
     targets = [[f"re:.*\\.{p}$" for p in spec["quantize"]]]
@@ -148,7 +133,7 @@ def quantized(spec: dict, tmp: Path) -> dict:
 
     max_diff, tokens_equal = compare(prompts, ref, ran)
     return {
-        "tie_gaps": divergence_gaps(prompts, ref, ran),
+        "tie_gaps": tie_gaps(prompts, ref, ran),
         "impl": llm.apply_model(engine.model_class_name)[0],
         "layers": llm.apply_model(partial(layer0_modules, linears=linears(spec)))[0],
         "layer_rel_error": llm.apply_model(layer_errors)[0],

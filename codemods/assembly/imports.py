@@ -53,6 +53,10 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vllm.model_executor.layers.mamba.mamba_mixer", ("MambaMixer",)),
     ("vllm.model_executor.layers.mamba.mamba_mixer2", ("MambaMixer2",)),
     (
+        "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn",
+        ("QwenGatedDeltaNetAttention",),
+    ),
+    (
         "vllm.model_executor.layers.mamba.mamba_utils",
         (
             "MambaStateCopyFuncCalculator",

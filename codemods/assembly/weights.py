@@ -57,7 +57,8 @@ def conversions(causal_cls, model_type: str, fused_experts=()):
     for conv in found:
         sources = list(conv.source_patterns)
         targets = list(conv.target_patterns)
-        if type(conv) is WeightRenaming:
+        # a renaming (PrefixChange too: a renaming by regexes it builds itself)
+        if isinstance(conv, WeightRenaming) and not isinstance(conv, WeightConverter):
             renames.append((sources, targets))
             continue
         if isinstance(conv, WeightConverter):

@@ -19,7 +19,7 @@ import libcst.matchers as m
 
 from ..base import ClassInfo, PatternRefused, Refusal, code, is_linear, linear_args
 from ..moe.match import resolve as resolve_attrs
-from ..state_layers import conv_attrs
+from ..state_layers import conv_attrs, read_or_refused
 
 NAME = "short_conv"
 VLLM_CLASS = "ShortConv"
@@ -57,12 +57,7 @@ def is_candidate(info: ClassInfo) -> bool:
 
 
 def match(info: ClassInfo) -> ShortConvSpec | Refusal | None:
-    if not is_candidate(info):
-        return None
-    try:
-        return _read(info)
-    except PatternRefused as exc:
-        return Refusal(NAME, info.name, WHAT, str(exc))
+    return read_or_refused(info, is_candidate, _read, NAME, WHAT)
 
 
 def _read(info: ClassInfo) -> ShortConvSpec:
