@@ -322,6 +322,7 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
 
     from fusion_patterns.registry import mapped_state_kinds, state_patterns
 
+    from . import vllm_native
     from .errors import CodemodError
 
     # (an encoder-decoder model is out of scope before this: `probe.refuse_out_of_scope`)
@@ -342,11 +343,13 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
             continue  # its pattern's claim proves it, or says why not
         if why:
             raise CodemodError(
-                f"out of scope: {kind} keeps state across decode steps besides the KV "
-                f"cache ({why}); vLLM serves such a layer only with its own state cache, "
-                "and no pattern maps this one onto it yet (mapped: "
-                + ", ".join(mapped_state_kinds())
-                + ")"
+                vllm_native.unmapped(
+                    causal_cls.__name__,
+                    f"{kind} keeps state across decode steps besides the KV cache "
+                    f"({why}), which vLLM keeps only in its own state cache",
+                    kind,
+                    ", ".join(mapped_state_kinds()),
+                )
             )
     for kind, condition in found.unbuilt.items():
         raise CodemodError(

@@ -319,10 +319,15 @@ def refuse_out_of_scope(causal_cls, source) -> None:
             "the BERT family): vLLM serves such models as pooling models"
         )
     if not _attends(source):
+        from .vllm_native import unmapped
+
         raise CodemodError(
-            f"out of scope: no class of {source.path.name} calls transformers' "
-            "attention interface or computes attention itself: a mixer that is not "
-            "attention (vLLM's Transformers backend cannot serve it either)"
+            unmapped(
+                causal_cls.__name__,
+                f"no class of {source.path.name} calls transformers' attention "
+                "interface or computes attention itself: a mixer that is not attention "
+                "(vLLM's Transformers backend cannot serve it either)",
+            )
         )
 
 

@@ -194,6 +194,7 @@ def find(source: ModelSource, pymodule, causal_cls, probe: Probe) -> Roles:
     }
     eager = {n: v for n, v in probe.eager.items() if n in in_layers and n in wanted}
     _scope_checks(
+        causal.name,
         layer_list,
         interface | set(eager),
         _state_mixers(classes, wanted),
@@ -294,7 +295,11 @@ def _state_mixers(classes: dict[str, ClassInfo], wanted: list[str]) -> set[str]:
 
 
 def _scope_checks(
-    layer_list, attention_like: set[str], state_mixers: set[str], calls: dict
+    arch: str,
+    layer_list,
+    attention_like: set[str],
+    state_mixers: set[str],
+    calls: dict,
 ) -> None:
     """Every layer attends, holds a mixer a pattern maps onto vLLM's state cache, or
     mixes nothing across tokens (Nemotron-H's MLP and MoE blocks); a layer mixing
@@ -305,9 +310,14 @@ def _scope_checks(
         if not any(
             type(x).__name__ in attention_like | state_mixers for x in layer.modules()
         ) and not _token_wise(layer, calls.get(id(layer))):
+            from .vllm_native import unmapped
+
             raise CodemodError(
-                f"out of scope: layer {i} ({type(layer).__name__}) has no attention-interface "
-                "call (a mixer vLLM's Transformers backend cannot serve either)"
+                unmapped(
+                    arch,
+                    f"layer {i} ({type(layer).__name__}) has no attention-interface "
+                    "call (a mixer vLLM's Transformers backend cannot serve either)",
+                )
             )
         mapped = {
             id(c)

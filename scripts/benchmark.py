@@ -272,6 +272,10 @@ def read_generated_headers() -> dict[str, dict]:
             # (IndexError in vLLM's own class as in this one): every implementation
             # runs without prefix caching
             "state_cache": "HasInnerState" in text,
+            # the one dtype vLLM's CPU build runs the file in (its GDN kernels: bf16)
+            "cpu_dtype": next(
+                iter(re.findall(r"^# cpu dtype:\s+(\w+)", head, re.MULTILINE)), None
+            ),
         }
     return dict(sorted(models.items()))
 
@@ -510,6 +514,9 @@ def prepare_job(job: dict) -> dict:
             )
         models = {k: v for k, v in models.items() if k in job["models"]}
     for model in models.values():
+        if device == "cpu" and model.get("cpu_dtype"):
+            # every implementation of it runs in that dtype: like against like
+            model["dtype"] = model["cpu_dtype"]
         try:
             model["native_class"] = native_class(model["hf_arch"])
         except (
@@ -527,7 +534,7 @@ def checkpoint_job(job: dict) -> dict:
     load_general_plugins()
     model = job["model"]
     causal = causal_class(model["source"], model["hf_arch"])
-    dtype = getattr(torch, job["settings"]["dtype"])
+    dtype = getattr(torch, model.get("dtype") or job["settings"]["dtype"])
     ckpt = build_checkpoint(
         causal,
         job["settings"]["sizes"],
@@ -664,7 +671,7 @@ def run_job(job: dict) -> dict:
     kwargs = {
         "model": model["checkpoint"]["dir"],
         "skip_tokenizer_init": True,
-        "dtype": settings["dtype"],
+        "dtype": model.get("dtype") or settings["dtype"],
         "max_model_len": settings["max_model_len"],
         "seed": job["seed"],
         "enforce_eager": settings["eager"],
@@ -856,6 +863,8 @@ def model_cell(key: str, model: dict) -> str:
             + ", ".join(f"{k}={json.dumps(v)}" for k, v in model["overrides"].items())
             + ")"
         )
+    if model.get("dtype"):
+        key += f" (in {model['dtype']})"
     if recorded and recorded == current_sha(key.split(" ")[0]):
         return key
     if recorded:

@@ -47,18 +47,32 @@ def test_lfm2_builds_its_short_convolution_beside_attention():
     assert {"Lfm2ShortConv", "Lfm2Attention"} <= found.built[0]
 
 
-def test_a_stateful_mixer_no_pattern_maps_is_out_of_scope():
-    result = run_cli("codemods.apply", "modeling_kimi_linear.py", "--check")
+def test_a_stateful_mixer_no_pattern_maps_and_vllm_lacks_is_out_of_scope():
+    result = run_cli("codemods.apply", "modeling_zamba.py", "--check")
     assert result.returncode == 2
-    assert (
-        "out of scope: KimiLinearDeltaAttention keeps state across decode steps"
-        in result.stderr
+    assert result.stderr.startswith(
+        "error: out of scope: ZambaMambaMixer keeps state across decode steps"
     )
     assert "nn.Conv1d" in result.stderr
+    assert "vLLM has no class for ZambaForCausalLM either" in result.stderr
     # what is mapped, from the registry
     assert "(mapped: Mamba-2 mixer, Mamba-1 mixer, gated short convolution, " in (
         result.stderr
     )
+
+
+def test_a_stateful_mixer_vllm_serves_is_refused_naming_vllms_layers():
+    """Kimi Linear: vLLM has a class and state layers for it, so the toolkit could map
+    it and does not yet: refused ("cannot generate"), not out of scope."""
+    result = run_cli("codemods.apply", "modeling_kimi_linear.py", "--check")
+    assert result.returncode == 2
+    line = result.stderr.strip()
+    assert line.startswith(
+        "error: cannot generate: KimiLinearDeltaAttention keeps state across decode "
+        "steps"
+    )
+    assert "vLLM serves KimiLinearForCausalLM with its own " in line
+    assert "KimiGatedDeltaNetAttention" in line
 
 
 @pytest.mark.parametrize(
