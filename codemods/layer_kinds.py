@@ -376,6 +376,7 @@ def refuse_unclaimed_state(found: Cover | None, model) -> None:
     pattern maps it, and not claimed: the copy would keep transformers' cache."""
     from fusion_patterns.registry import state_patterns
 
+    from . import vllm_native
     from .errors import CodemodError
 
     # the kinds the source can build and those the tiny model built (a kind the rules
@@ -396,7 +397,10 @@ def refuse_unclaimed_state(found: Cover | None, model) -> None:
             ),
             "its pattern did not run",
         )
+        arch = model.roles.causal.name
+        native = vllm_native.serves(vllm_native.native(arch), arch)
         raise CodemodError(
             f"cannot generate: {kind} keeps state across decode steps besides the KV "
             f"cache, and its mapping onto vLLM's state cache is not proven ({why})"
+            + (f"; {native}" if native else "")
         )

@@ -449,6 +449,8 @@ def _layers_comprehension(base: ClassInfo, layers_attr: str) -> cst.ListComp:
     comp = m.findall(value, m.ListComp()) if value is not None else []
     if not comp and value is not None:
         comp = [c for c in [appended_layers(base, value)] if c is not None]
+    if comp:
+        comp[0] = comp[0].with_changes(elt=_one_call(comp[0].elt))
     if not comp or not isinstance(comp[0].elt, cst.Call):
         raise CodemodError(
             f"cannot generate: {base.name}.{layers_attr} is not built as `nn.ModuleList([Layer(...) for i in range(n)])`"
@@ -458,6 +460,31 @@ def _layers_comprehension(base: ClassInfo, layers_attr: str) -> cst.ListComp:
             f"cannot generate: {base.name}.{layers_attr} is not built over range(<layers>)"
         )
     return comp[0]
+
+
+def _one_call(elt: cst.BaseExpression) -> cst.BaseExpression:
+    """`A(args) if <test> else B(args)` (OLMo Hybrid's layer kinds) -> `(A if <test>
+    else B)(args)`: one call, whose class the test picks (unchanged otherwise)."""
+    if not (
+        isinstance(elt, cst.IfExp)
+        and isinstance(elt.body, cst.Call)
+        and isinstance(elt.orelse, cst.Call)
+    ):
+        return elt
+    args = [
+        [code(a.with_changes(comma=cst.MaybeSentinel.DEFAULT)) for a in c.args]
+        for c in (elt.body, elt.orelse)
+    ]
+    if args[0] != args[1]:
+        return elt
+    func = cst.IfExp(
+        test=elt.test,
+        body=elt.body.func,
+        orelse=elt.orelse.func,
+        lpar=[cst.LeftParen()],
+        rpar=[cst.RightParen()],
+    )
+    return elt.body.with_changes(func=func)
 
 
 def _scopes(model, layers_attr: str, classes, layer_classes) -> dict[str, list[str]]:

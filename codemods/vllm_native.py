@@ -56,12 +56,19 @@ def unmapped(arch: str, what: str, kind: str = "", mapped: str = "") -> str:
         return f"out of scope: {what}; vLLM has no class for {arch} either" + (
             f", and no pattern maps {kind} onto a vLLM layer{maps}" if kind else ""
         )
+    return (
+        f"cannot generate: {what}; {serves(found, arch)}, and no pattern maps "
+        f"{kind or 'it'} onto it yet{maps}"
+    )
+
+
+def serves(found: Native | None, arch: str) -> str:
+    """ "vLLM serves <arch> with its own <module> (its state layers: ...)", or ""."""
+    if found is None:
+        return ""
     layers = (
         f" (its state layers: {', '.join(found.state_layers)})"
         if found.state_layers
         else ""
     )
-    return (
-        f"cannot generate: {what}; vLLM serves {arch} with its own "
-        f"{found.module}{layers}, and no pattern maps {kind or 'it'} onto it yet{maps}"
-    )
+    return f"vLLM serves {arch} with its own {found.module}{layers}"

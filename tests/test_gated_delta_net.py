@@ -75,7 +75,44 @@ def test_the_qwen_linear_attentions_are_read_and_olmos_is_refused_in_one_line():
     assert specs == {cls for cls, _ in LAYERS.values()} | {"Qwen4ExpTextGatedDeltaNet"}
     refused = {n: s.reason for n, s in found.items() if isinstance(s, Refusal)}
     assert set(refused) == {"OlmoHybridGatedDeltaNet"}, refused
-    assert "\n" not in refused["OlmoHybridGatedDeltaNet"]
+    assert refused["OlmoHybridGatedDeltaNet"].startswith(
+        "it scales a sigmoid gate (`beta = beta * 2.0`)"
+    )
+
+
+def test_olmo_hybrid_says_in_one_line_why_its_layer_is_not_mapped(tmp_path):
+    """Its layers are `[A(config, i) if <type> else B(config, i) for i in ...]`, read as
+    one call whose class the test picks, so the command reaches the mixer and names
+    both what vLLM's Qwen layer does not compute and vLLM's own class for the model."""
+    result = run_cli(
+        "codemods.apply", "modeling_olmo_hybrid.py", "--out", str(tmp_path)
+    )
+    assert result.returncode == 2
+    line = result.stderr.strip()
+    assert "\n" not in line
+    assert line.startswith(
+        "error: cannot generate: OlmoHybridGatedDeltaNet keeps state across decode steps"
+    )
+    assert "it scales a sigmoid gate (`beta = beta * 2.0`)" in line
+    assert line.endswith(
+        "vLLM serves OlmoHybridForCausalLM with its own "
+        "vllm.model_executor.models.olmo_hybrid (its state layers: "
+        "OlmoHybridGatedDeltaNetAttention)"
+    )
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_layer_kind_picked_by_a_conditional_expression_is_one_call():
+    import libcst as cst
+
+    from codemods.roles import _one_call
+
+    elt = cst.parse_expression(
+        "A(config, i) if config.kinds[i] == 'x' else B(config, i)"
+    )
+    assert code(_one_call(elt)) == "(A if config.kinds[i] == 'x' else B)(config, i)"
+    differs = cst.parse_expression("A(config, i) if c else B(config)")
+    assert _one_call(differs) is differs
 
 
 def test_the_fields_are_the_sources_expressions_and_the_layouts_its_projections():

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from ..base import ClassInfo, PatternRefused, Refusal, is_linear, self_attr
+from ..base import ClassInfo, PatternRefused, Refusal, code, is_linear, self_attr
 from ..moe.match import resolve
 from ..state_layers import conv_attrs, read_or_refused
 
@@ -90,7 +90,34 @@ def match(info: ClassInfo) -> GatedDeltaNetSpec | Refusal | None:
     return read_or_refused(info, is_candidate, _read, NAME, WHAT)
 
 
+def _scaled_gates(forward: cst.FunctionDef) -> list[str]:
+    """`beta = beta * 2.0` after `beta = self.b_proj(x).sigmoid()` (OLMo Hybrid's
+    `allow_neg_eigval`): a sigmoid gate scaled past [0, 1]."""
+    gates = {
+        a.targets[0].target.value
+        for a in m.findall(forward, m.Assign(targets=[m.AssignTarget(m.Name())]))
+        if m.findall(a.value, m.Call(func=m.Attribute(attr=m.Name("sigmoid"))))
+    }
+    return [
+        code(a)
+        for a in m.findall(forward, m.Assign(targets=[m.AssignTarget(m.Name())]))
+        if a.targets[0].target.value in gates
+        and m.matches(
+            a.value,
+            m.BinaryOperation(
+                left=m.Name(a.targets[0].target.value), operator=m.Multiply()
+            ),
+        )
+    ]
+
+
 def _read(info: ClassInfo) -> GatedDeltaNetSpec:
+    scaled = _scaled_gates(info.forward)
+    if scaled:
+        raise PatternRefused(
+            f"it scales a sigmoid gate (`{scaled[0].strip()}`), which vLLM's "
+            f"{VLLM_CLASS} does not (its CPU kernels take beta = sigmoid(b))"
+        )
     missing = [f"self.{a}" for a in FIELDS.values() if a not in info.attrs]
     if missing:
         raise PatternRefused(
