@@ -52,6 +52,13 @@ SIZES = {
     "mamba_n_heads": 8,
     "mamba_d_state": 16,
     "mamba_chunk_size": 16,
+    # linear attention (gated DeltaNet): head sizes vLLM's CPU delta-rule kernels take
+    # (a derived size, 0.75 * hidden / heads, is not one), more value heads than key
+    # heads so a key head serves two
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
 }
 # experts sized by `intermediate_size` (Mixtral, GPT-OSS): vLLM's CPU fused-MoE kernel
 # tiles the intermediate size by 32 per rank, unpadded for some activations (swigluoai),

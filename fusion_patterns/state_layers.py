@@ -376,6 +376,12 @@ def source_outputs(module, config, x, prompt: int):
             + "): its decode path cannot be run"
         )
     cache = DynamicCache(config=config)
+    idx = getattr(module, "layer_idx", None)
+    if isinstance(idx, int) and len(getattr(cache, "layers", ())) > idx + 1:
+        # the module alone is the model's last layer: a cache asked whether "the last
+        # linear-attention layer" holds a state (OLMo Hybrid's `has_previous_state()`)
+        # asks about its layer, not a later one that never runs here
+        cache.layers = cache.layers[: idx + 1]
     with torch.no_grad():
         outs = [module(x[:, :prompt], **{name: cache})]
         for t in range(prompt, x.shape[1]):

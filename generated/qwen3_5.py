@@ -6,7 +6,7 @@
 # source sha256: aac2a1bcca88829afc6dbdf83f97155ebf64d800ee9d703af3802a9aebcfcd18
 # versions:      transformers 5.19.0, vllm 0.32.0, vllm-fusion-codemods 0.1.0
 # architecture:  GeneratedQwen3_5ForCausalLM -> Qwen3_5ForCausalLM
-# cpu dtype:     bfloat16 (vLLM's CPU kernels for QwenGatedDeltaNetAttention run bf16 only)
+# cpu dtype:     bfloat16 (vLLM's CPU gated-delta-rule kernels run bf16 only)
 # ======================================================================================
 # Fusion report:
 #   Fused: in_proj_qkv + in_proj_z + in_proj_b + in_proj_a + conv1d + A_log + dt_bias + norm + out_proj (Qwen3_5GatedDeltaNet) -> linear_attn (QwenGatedDeltaNetAttention, conv and recurrent states in vLLM's state cache)
@@ -97,7 +97,7 @@ def vllm_attention(
 
 
 def gated_delta_net_config(**fields) -> SimpleNamespace:
-    """The config fields vLLM's QwenGatedDeltaNetAttention reads, from the source's own
+    """The config fields vLLM's gated-DeltaNet layer reads, from the source's own
     expressions (a config class may name them otherwise)."""
     return SimpleNamespace(**fields)
 

@@ -6,7 +6,7 @@
 # source sha256: 2050fe9387309901dc5c7a38951dfd834dc44fa6475211b4833d973d9b68d2e2
 # versions:      transformers 5.19.0, vllm 0.32.0, vllm-fusion-codemods 0.1.0
 # architecture:  GeneratedQwen3_5MoeForCausalLM -> Qwen3_5MoeForCausalLM
-# cpu dtype:     bfloat16 (vLLM's CPU kernels for QwenGatedDeltaNetAttention run bf16 only)
+# cpu dtype:     bfloat16 (vLLM's CPU gated-delta-rule kernels run bf16 only)
 # ======================================================================================
 # Fusion report:
 #   Fused: in_proj_qkv + in_proj_z + in_proj_b + in_proj_a + conv1d + A_log + dt_bias + norm + out_proj (Qwen3_5MoeGatedDeltaNet) -> linear_attn (QwenGatedDeltaNetAttention, conv and recurrent states in vLLM's state cache)
@@ -111,7 +111,7 @@ def vllm_attention(
 
 
 def gated_delta_net_config(**fields) -> SimpleNamespace:
-    """The config fields vLLM's QwenGatedDeltaNetAttention reads, from the source's own
+    """The config fields vLLM's gated-DeltaNet layer reads, from the source's own
     expressions (a config class may name them otherwise)."""
     return SimpleNamespace(**fields)
 

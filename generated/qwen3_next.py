@@ -6,7 +6,7 @@
 # source sha256: 2b21d113df17596e065d0b71e5d232e48b2781e185fca6e7079f3f423344f8cc
 # versions:      transformers 5.19.0, vllm 0.32.0, vllm-fusion-codemods 0.1.0
 # architecture:  GeneratedQwen3NextForCausalLM -> Qwen3NextForCausalLM
-# cpu dtype:     bfloat16 (vLLM's CPU kernels for QwenGatedDeltaNetAttention run bf16 only)
+# cpu dtype:     bfloat16 (vLLM's CPU gated-delta-rule kernels run bf16 only)
 # ======================================================================================
 # Fusion report:
 #   Fused: in_proj_qkvz + in_proj_ba + conv1d + A_log + dt_bias + norm + out_proj (Qwen3NextGatedDeltaNet) -> linear_attn (QwenGatedDeltaNetAttention, conv and recurrent states in vLLM's state cache)
@@ -108,7 +108,7 @@ def vllm_attention(
 
 
 def gated_delta_net_config(**fields) -> SimpleNamespace:
-    """The config fields vLLM's QwenGatedDeltaNetAttention reads, from the source's own
+    """The config fields vLLM's gated-DeltaNet layer reads, from the source's own
     expressions (a config class may name them otherwise)."""
     return SimpleNamespace(**fields)
 

@@ -1,5 +1,6 @@
-"""Gated DeltaNet (Qwen3-Next's, Qwen3.5's linear attention) read as vLLM's
-QwenGatedDeltaNetAttention and proven against its CPU computation (bf16, within a
+"""Gated DeltaNet (Qwen3-Next's, Qwen3.5's, OLMo Hybrid's linear attention) read as
+vLLM's QwenGatedDeltaNetAttention or OlmoHybridGatedDeltaNetAttention and proven against
+its CPU computation (bf16, within a
 measured multiple of the source's own bf16 error) over a prefill and decode steps with
 the conv and recurrent states carried; copies of the source with one thing wrong are
 refused with the step that differs (engine-free; the engine runs are at the end,
@@ -27,6 +28,7 @@ LAYERS = {
     "qwen3_next": ("Qwen3NextGatedDeltaNet", "Qwen3NextConfig"),
     "qwen3_5": ("Qwen3_5GatedDeltaNet", "Qwen3_5TextConfig"),
     "qwen3_5_moe": ("Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeTextConfig"),
+    "olmo_hybrid": ("OlmoHybridGatedDeltaNet", "OlmoHybridConfig"),
 }
 
 
@@ -50,11 +52,12 @@ def _layer(name: str, path=None, **extra):
     return source.classes[cls], getattr(module, cls)(config, layer_idx=0), config
 
 
-def test_the_qwen_linear_attentions_are_read_and_olmos_is_refused_in_one_line():
-    """Every class of the installed transformers the pattern takes up: the three Qwen
-    layers as specs; OLMo Hybrid's (separate q/k/v convs, no gated norm's eps) as a
-    refusal naming what it lacks, never a traceback."""
+def test_the_gated_delta_nets_of_transformers_are_read_onto_vllms_two_layers():
+    """Every class of the installed transformers the pattern takes up, onto the vLLM
+    layer whose fields and names it has; none refused."""
     import transformers
+
+    from fusion_patterns.gated_delta_net.match import OLMO, QWEN
 
     models = os.path.join(os.path.dirname(transformers.__file__), "models")
     found = {}
@@ -69,37 +72,46 @@ def test_the_qwen_linear_attentions_are_read_and_olmos_is_refused_in_one_line():
         for name, info in source.classes.items():
             if (spec := match(info)) is not None:
                 found[name] = spec
-    specs = {n for n, s in found.items() if isinstance(s, GatedDeltaNetSpec)}
+    assert all(isinstance(s, GatedDeltaNetSpec) for s in found.values()), found
     # Qwen4-Exp's text model builds the same layer (its row is refused for its tiny
     # config, not for this layer)
-    assert specs == {cls for cls, _ in LAYERS.values()} | {"Qwen4ExpTextGatedDeltaNet"}
-    refused = {n: s.reason for n, s in found.items() if isinstance(s, Refusal)}
-    assert set(refused) == {"OlmoHybridGatedDeltaNet"}, refused
-    assert refused["OlmoHybridGatedDeltaNet"].startswith(
-        "it scales a sigmoid gate (`beta = beta * 2.0`)"
-    )
+    assert set(found) == {cls for cls, _ in LAYERS.values()} | {
+        "Qwen4ExpTextGatedDeltaNet"
+    }
+    assert found["OlmoHybridGatedDeltaNet"].target is OLMO
+    assert {found[cls].target.vllm_class for cls, _ in LAYERS.values()} == {
+        QWEN.vllm_class,
+        OLMO.vllm_class,
+    }
 
 
-def test_olmo_hybrid_says_in_one_line_why_its_layer_is_not_mapped(tmp_path):
-    """Its layers are `[A(config, i) if <type> else B(config, i) for i in ...]`, read as
-    one call whose class the test picks, so the command reaches the mixer and names
-    both what vLLM's Qwen layer does not compute and vLLM's own class for the model."""
-    result = run_cli(
-        "codemods.apply", "modeling_olmo_hybrid.py", "--out", str(tmp_path)
+def test_a_scaled_beta_gate_is_refused_onto_qwens_layer(tmp_path):
+    """vLLM's Qwen layer takes beta = sigmoid(b): a copy of Qwen3-Next scaling it (as
+    OLMo Hybrid's negative eigenvalues do) is refused, in one line, by the match."""
+    path = edited_modeling_file(
+        tmp_path,
+        "modeling_qwen3_next.py",
+        "        beta = b.sigmoid()\n",
+        "        beta = b.sigmoid()\n        beta = beta * 2.0\n",
     )
-    assert result.returncode == 2
-    line = result.stderr.strip()
-    assert "\n" not in line
-    assert line.startswith(
-        "error: cannot generate: OlmoHybridGatedDeltaNet keeps state across decode steps"
+    refusal = match(_layer("qwen3_next", path=path)[0])
+    assert isinstance(refusal, Refusal)
+    assert refusal.reason.startswith("it scales a sigmoid gate (`beta = beta * 2.0`)")
+
+
+def test_olmo_hybrid_without_its_beta_scaling_is_refused(tmp_path):
+    """OLMo Hybrid's layer doubles beta where the config allows negative eigenvalues
+    (its default); a copy that never does differs from vLLM's over the prompt."""
+    path = edited_modeling_file(
+        tmp_path,
+        "modeling_olmo_hybrid.py",
+        "        if self.allow_neg_eigval:\n            beta = beta * 2.0\n",
+        "",
     )
-    assert "it scales a sigmoid gate (`beta = beta * 2.0`)" in line
-    assert line.endswith(
-        "vLLM serves OlmoHybridForCausalLM with its own "
-        "vllm.model_executor.models.olmo_hybrid (its state layers: "
-        "OlmoHybridGatedDeltaNetAttention)"
-    )
-    assert not list(tmp_path.iterdir())
+    info, module, config = _layer("olmo_hybrid", path=path)
+    assert config.linear_allow_neg_eigval
+    with pytest.raises(PatternRefused, match="over the prompt"):
+        prove(match(info), module, config)
 
 
 def test_a_layer_kind_picked_by_a_conditional_expression_is_one_call():
@@ -218,6 +230,11 @@ def test_the_generated_files_build_vllms_layer_and_its_state_cache():
         "in_proj_b",
         "in_proj_a",
     ]
+    from generated import olmo_hybrid
+
+    olmo = open(olmo_hybrid.__file__).read()
+    assert "self.linear_attn = OlmoHybridGatedDeltaNetOnCPU(" in olmo
+    assert "self._conv_parts(weights, loaded)" in olmo
     config = _layer("qwen3_next")[2]
     for tp in (1, 2):
         vllm_config = SimpleNamespace(
@@ -260,6 +277,21 @@ def test_qwen3_next_in_bf16_against_transformers_own_bf16_error():
     assert {"Qwen3NextGatedDeltaNet", "Qwen3NextAttention"} <= set(out["kinds"])
     assert out["max_abs_logprob_diff"] <= 2 * out["noise_floor"]
     assert out["mean_abs_logprob_diff"] <= 2 * out["noise_mean"]
+
+
+@pytest.mark.engine
+def test_olmo_hybrid_runs_vllms_layer_with_its_core_on_cpu_ops():
+    """vLLM 0.32's OLMo Hybrid layer has Triton kernels only; the file runs vLLM's
+    layer with its core on vLLM's CPU ops, in bf16, both layer kinds built, published
+    q/k/v conv parts loaded into its one conv."""
+    out = _verify("olmo_hybrid")
+    assert out["ok"] and out["impl"] == "generated.olmo_hybrid:OlmoHybridForCausalLM"
+    assert out["dtype"] == "bfloat16"
+    assert {
+        "OlmoHybridGatedDeltaNet",
+        "OlmoHybridAttentionDecoderLayer",
+        "OlmoHybridLinearAttentionDecoderLayer",
+    } <= set(out["kinds"])
 
 
 @pytest.mark.engine

@@ -57,6 +57,15 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("QwenGatedDeltaNetAttention",),
     ),
     (
+        "vllm.model_executor.layers.mamba.gdn.olmo_gdn_linear_attn",
+        ("OlmoHybridGatedDeltaNetAttention",),
+    ),
+    (
+        "vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d",
+        ("causal_conv1d_fn_cpu", "causal_conv1d_update_cpu"),
+    ),
+    ("vllm", ("_custom_ops as vllm_ops",)),
+    (
         "vllm.model_executor.layers.mamba.mamba_utils",
         (
             "MambaStateCopyFuncCalculator",

@@ -1,5 +1,6 @@
-"""Gated DeltaNet (linear attention with the gated delta rule: Qwen3-Next's, Qwen3.5's)
--> vLLM's `QwenGatedDeltaNetAttention` (its conv and recurrent states in vLLM's state
+"""Gated DeltaNet (linear attention with the gated delta rule: Qwen3-Next's, Qwen3.5's,
+OLMo Hybrid's) -> vLLM's `QwenGatedDeltaNetAttention` or
+`OlmoHybridGatedDeltaNetAttention` (their conv and recurrent states in vLLM's state
 cache).
 
 The match (`match.py`) reads the layer's sizes as the config fields vLLM's layer reads
@@ -15,14 +16,17 @@ from __future__ import annotations
 
 import libcst as cst
 
-from ..base import Claim, ClassInfo, FusionRecord, code
+from ..base import Claim, ClassInfo, FusionRecord, LoaderHook, code
 from ..moe.match import bind, resolve
 from ..state_layers import (
+    CALL,
     GATED_DELTA_NET,
     StateMixer,
+    call_state_layer,
     causal_hook,
     first_input,
 )
+from .emit import CONFIG, CONV_PARTS, OLMO_ON_CPU, RULE_ON_CPU
 from .match import NAME, VLLM_CLASS, WHAT, GatedDeltaNetSpec, match
 from .proof import prove
 
@@ -41,7 +45,7 @@ STATE_SHAPE = {
 class GatedDeltaNet(StateMixer):
     name = NAME
     what = WHAT
-    cpu_dtype = ("bfloat16", f"vLLM's CPU kernels for {VLLM_CLASS} run bf16 only")
+    cpu_dtype = ("bfloat16", "vLLM's CPU gated-delta-rule kernels run bf16 only")
 
     def read(self, info: ClassInfo):
         return match(info)
@@ -51,14 +55,21 @@ class GatedDeltaNet(StateMixer):
         return spec
 
     def record(self, spec: GatedDeltaNetSpec, scope: str) -> FusionRecord:
+        target = spec.target
+        on_cpu = (
+            ""
+            if target.built == target.vllm_class
+            else "; on vLLM's CPU build, whose kernels for it are Triton only, its "
+            "core on vLLM's CPU gated-delta-rule ops"
+        )
         return FusionRecord(
             NAME,
             spec.class_name,
-            (*spec.in_projs, "conv1d", "A_log + dt_bias", "norm", "out_proj"),
+            (*spec.in_projs, *target.record),
             scope.rsplit(".", 1)[-1] or "linear_attn",
-            VLLM_CLASS,
+            target.vllm_class,
             scope=scope,
-            detail="conv and recurrent states in vLLM's state cache",
+            detail="conv and recurrent states in vLLM's state cache" + on_cpu,
         )
 
     def claim(self, model):
@@ -71,12 +82,12 @@ class GatedDeltaNet(StateMixer):
                         out.spec.class_name,
                         parts,
                         merged,
-                        "MergedColumnParallelLinear",
+                        layer,
                         shard_ids=ids,
                         scope=r.scope,
                     )
                     for r in list(out.records)
-                    for parts, merged, ids in out.spec.stacked()
+                    for parts, merged, ids, layer in _stacked(out.spec)
                 ]
             yield out
 
@@ -86,23 +97,42 @@ class GatedDeltaNet(StateMixer):
         fields = ", ".join(
             f"{k}={code(resolve(v, spec.info, bound))}" for k, v in spec.fields.items()
         )
+        layout = f", gqa_interleaved_layout={spec.interleaved}" if spec.on_qwen else ""
         return (
-            f"{VLLM_CLASS}(gated_delta_net_config({fields}), "
+            f"{spec.target.built}(gated_delta_net_config({fields}), "
             "get_current_vllm_config(), "
             # the state cache's key: the module's path
-            f'prefix=f"{{prefix}}.{path or "linear_attn"}", '
-            f"gqa_interleaved_layout={spec.interleaved})"
+            f'prefix=f"{{prefix}}.{path or "linear_attn"}"{layout})'
         )
 
     def call_site(self, claim: Claim, call: cst.Call) -> cst.BaseExpression:
         # vLLM's layer takes one row per token; the copied layers hold [1, tokens, hidden]
+        if not claim.spec.target.returns:
+            return call_state_layer(call, claim.spec.info)
         x = code(first_input(claim.spec.info, call))
         return cst.parse_expression(
             f"{code(call.func)}({x}.flatten(0, -2)).view_as({x})"
         )
 
+    def loader(self, claim: Claim) -> LoaderHook | None:
+        parts = claim.spec.target.conv_parts
+        if not parts:
+            return None
+        scopes = sorted({r.scope for r in claim.records})
+        ends = tuple(f".{s}.{c}.weight" for s in scopes for c in ("conv1d", *parts))
+        return LoaderHook(
+            CONV_PARTS.format(ends=ends, parts=parts),
+            weights="self._conv_parts({weights}, loaded)",
+            reports_loaded=True,
+        )
+
     def helpers(self, claim: Claim) -> tuple[str, ...]:
-        return (CONFIG,)
+        target = claim.spec.target
+        return (
+            (CONFIG,)
+            + (() if target.returns else (CALL,))
+            + (() if target.built == target.vllm_class else (RULE_ON_CPU, OLMO_ON_CPU))
+        )
 
     def causal_lm(self, claim: Claim, attends: bool):
         fields = claim.spec.fields
@@ -110,10 +140,6 @@ class GatedDeltaNet(StateMixer):
         return causal_hook(GATED_DELTA_NET, shape, attends)
 
 
-# vLLM's layer reads its sizes from config fields a config class may name otherwise
-CONFIG = '''
-def gated_delta_net_config(**fields) -> SimpleNamespace:
-    """The config fields vLLM's QwenGatedDeltaNetAttention reads, from the source's own
-    expressions (a config class may name them otherwise)."""
-    return SimpleNamespace(**fields)
-'''
+def _stacked(spec: GatedDeltaNetSpec) -> list[tuple]:
+    """(parts, vLLM's merged projection, shard ids, its layer)."""
+    return [(*s, "MergedColumnParallelLinear") for s in spec.stacked()]

@@ -26,6 +26,7 @@ from ..state_layers import (
     require_shapes,
     source_outputs,
 )
+from .emit import RULE_ON_CPU
 from .match import GatedDeltaNetSpec
 
 STEPS = 8
@@ -66,7 +67,8 @@ def _prove_one(spec: GatedDeltaNetSpec, module, config, steps: int) -> None:
         own = source_outputs(
             copy.deepcopy(rounded).bfloat16(), config, x.bfloat16(), prompt
         ).float()
-        got = _vllm(rounded, spec, args, x[0], prompt)
+        vllm = _vllm if spec.on_qwen else _vllm_on_cpu_rule
+        got = vllm(rounded, spec, args, x[0], prompt)
     except PatternRefused:
         raise
     except Exception as exc:  # noqa: BLE001 - a side that cannot run: not proven
@@ -94,11 +96,12 @@ def _check_shapes(spec: GatedDeltaNetSpec, module, args: dict) -> None:
     key = args["linear_key_head_dim"] * args["linear_num_key_heads"]
     value = args["linear_value_head_dim"] * args["linear_num_value_heads"]
     heads = args["linear_num_value_heads"]
-    widths = (
-        [2 * key + 2 * value, 2 * heads]
-        if spec.interleaved
-        else [2 * key + value, value, heads, heads]
-    )
+    if spec.interleaved:
+        widths = [2 * key + 2 * value, 2 * heads]
+    elif spec.target.fixed_projections:  # q, k, v, g; b and a beside them
+        widths = [key, key, value, value]
+    else:
+        widths = [2 * key + value, value, heads, heads]
     expect = {
         f"self.{p}'s width": (getattr(module, p).out_features, w)
         for p, w in zip(spec.in_projs, widths)
@@ -107,12 +110,18 @@ def _check_shapes(spec: GatedDeltaNetSpec, module, args: dict) -> None:
         tuple(module.conv1d.weight.shape),
         (2 * key + value, 1, args["linear_conv_kernel_dim"]),
     )
-    expect["self.out_proj's input"] = (module.out_proj.in_features, value)
-    expect["self.norm's weight"] = (
-        tuple(module.norm.weight.shape),
+    norm, out = _norm_and_out(spec)
+    expect[f"self.{out}'s input"] = (getattr(module, out).in_features, value)
+    expect[f"self.{norm}'s weight"] = (
+        tuple(getattr(module, norm).weight.shape),
         (args["linear_value_head_dim"],),
     )
     require_shapes(expect)
+
+
+def _norm_and_out(spec: GatedDeltaNetSpec) -> tuple[str, str]:
+    """The gated norm's and the out-projection's names (the record's last two)."""
+    return spec.target.record[-2], spec.target.record[-1]
 
 
 def _randomised(module, spec: GatedDeltaNetSpec):
@@ -122,9 +131,8 @@ def _randomised(module, spec: GatedDeltaNetSpec):
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         module.dt_bias.copy_(torch.randn(module.dt_bias.shape, generator=gen))
-        module.norm.weight.copy_(
-            1 + torch.randn(module.norm.weight.shape, generator=gen) / 4
-        )
+        norm = getattr(module, _norm_and_out(spec)[0])
+        norm.weight.copy_(1 + torch.randn(norm.weight.shape, generator=gen) / 4)
         module.A_log.copy_(torch.rand(module.A_log.shape, generator=gen).log())
     return module
 
@@ -267,4 +275,91 @@ def _vllm(module, spec: GatedDeltaNetSpec, args: dict, x, prompt: int):
                 use_qk_l2norm_in_kernel=True,
             )
             outs.append(finish(core.squeeze(1).reshape(1, nv, dv), z))
+    return torch.cat(outs, dim=0).float()
+
+
+# vLLM's RMSNormGated in OLMo Hybrid's layer: eps 1e-5 (FLA's), whatever the config says
+OLMO_NORM_EPS = 1e-5
+
+
+def _vllm_on_cpu_rule(module, spec: GatedDeltaNetSpec, args: dict, x, prompt: int):
+    """[tokens, hidden]: OLMo Hybrid's vLLM layer at one rank on vLLM's CPU build: its
+    merged q|k|v|g projection, b and a beside it, the core the file runs there (the
+    text of `gated_delta_rule_on_cpu`, executed), its gated norm, its out-projection."""
+    import torch
+    import torch.nn.functional as F
+
+    import vllm._custom_ops as vllm_ops
+    from vllm.model_executor.layers.layernorm import RMSNormGated
+    from vllm.model_executor.layers.mamba.gdn.olmo_gdn_linear_attn import (
+        OlmoHybridGatedDeltaNetAttention as Layer,
+    )
+    from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import (
+        causal_conv1d_fn_cpu,
+        causal_conv1d_update_cpu,
+    )
+
+    env = {
+        "torch": torch,
+        "vllm_ops": vllm_ops,
+        "causal_conv1d_fn_cpu": causal_conv1d_fn_cpu,
+        "causal_conv1d_update_cpu": causal_conv1d_update_cpu,
+    }
+    exec(RULE_ON_CPU, env)  # noqa: S102 - the file's own text
+    rule = env["gated_delta_rule_on_cpu"]
+    bf16 = torch.bfloat16
+    nk, nv = args["linear_num_key_heads"], args["linear_num_value_heads"]
+    dk, dv = args["linear_key_head_dim"], args["linear_value_head_dim"]
+    kernel, conv_dim = args["linear_conv_kernel_dim"], 2 * nk * dk + nv * dv
+    layer = SimpleNamespace(
+        num_k_heads=nk,
+        num_v_heads=nv,
+        head_k_dim=dk,
+        head_v_dim=dv,
+        key_dim=nk * dk,
+        value_dim=nv * dv,
+        tp_size=1,
+        conv1d=SimpleNamespace(weight=module.conv1d.weight.to(bf16), bias=None),
+        activation=args["hidden_act"],
+        A_log=module.A_log.to(bf16),  # vLLM's layer holds it in the model's dtype
+        dt_bias=module.dt_bias.to(bf16),
+        allow_neg_eigval=bool(args["linear_allow_neg_eigval"]),
+    )
+    layer.rearrange_mixed_qkv = lambda t: Layer.rearrange_mixed_qkv(layer, t)
+    w_qkvg = torch.cat([getattr(module, p).weight for p in spec.in_projs]).to(bf16)
+    w_b, w_a = module.b_proj.weight.to(bf16), module.a_proj.weight.to(bf16)
+    norm, out = (getattr(module, n) for n in _norm_and_out(spec))
+    conv_state = torch.zeros(2, conv_dim, kernel - 1, dtype=bf16)
+    ssm_state = torch.zeros(2, nv, dk, dv, dtype=bf16)
+    slot = torch.tensor([1], dtype=torch.int32)
+
+    def step(rows, decodes: int):
+        mixed, gate = F.linear(rows, w_qkvg).split([conv_dim, nv * dv], dim=-1)
+        core = torch.zeros(rows.size(0), nv, dv, dtype=bf16)
+        rule(
+            layer,
+            decodes,
+            slot,
+            torch.tensor([0, rows.size(0)], dtype=torch.int32),
+            torch.tensor([bool(decodes)]),
+            conv_state,
+            ssm_state,
+            mixed,
+            F.linear(rows, w_b),
+            F.linear(rows, w_a),
+            core,
+        )
+        y = RMSNormGated.forward_static(
+            core.reshape(-1, dv),
+            gate.reshape(-1, dv),
+            norm.weight.to(bf16),
+            OLMO_NORM_EPS,
+            bf16,
+            norm_before_gate=True,
+        )
+        return F.linear(y.reshape(rows.size(0), -1), out.weight.to(bf16))
+
+    with torch.no_grad():
+        outs = [step(x[:prompt].to(bf16), 0)]
+        outs += [step(x[t : t + 1].to(bf16), 1) for t in range(prompt, x.shape[0])]
     return torch.cat(outs, dim=0).float()
