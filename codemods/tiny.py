@@ -609,9 +609,9 @@ def build_checkpoint(
     model = causal_cls(config).to(torch.float32).eval()
     randomize(model, seed)
     if rounded_to is not None:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(p.to(rounded_to).float())
+        from fusion_patterns.dataflow import round_weights
+
+        round_weights(model, rounded_to)
     model.save_pretrained(out_dir, safe_serialization=True)
     if layout == "in-memory":
         _save_state_dict(model, out_dir)

@@ -9,7 +9,6 @@ row names that layer), "out of scope" where vLLM has none (nothing in vLLM compu
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import sys
 from dataclasses import dataclass
@@ -21,21 +20,31 @@ class Native:
     state_layers: tuple[str, ...]  # the state layers that module builds
 
 
-def native(arch: str) -> Native | None:
-    """vLLM's class for `arch` and its state layers, or None where vLLM registers no
-    class for it (or its module cannot be imported here)."""
-    from vllm.model_executor.models.registry import _VLLM_MODELS
+TRANSFORMERS_BACKEND = "vllm.model_executor.models.transformers"
 
-    entry = _VLLM_MODELS.get(arch)
-    if entry is None:
+
+def native_class(arch: str) -> type | None:
+    """vLLM's own class for `arch`, or None when vLLM serves that architecture only
+    through the Transformers backend (or not at all)."""
+    from vllm import ModelRegistry
+
+    entry = ModelRegistry.models.get(arch)
+    module = getattr(entry, "module_name", "")
+    if not module.startswith("vllm.") or module.startswith(TRANSFORMERS_BACKEND):
         return None
-    module, cls = entry
-    name = module if "." in module else f"vllm.model_executor.models.{module}"
-    try:
-        from vllm.model_executor.layers.mamba.abstract import MambaBase
+    return entry.load_model_cls()
 
-        found = getattr(importlib.import_module(name), cls)
+
+def native(arch: str) -> Native | None:
+    """vLLM's class for `arch` and its state layers, or None where vLLM has no class
+    of its own for it (or its module cannot be imported here)."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    try:
+        found = native_class(arch)
     except Exception:  # noqa: BLE001 - a module this build cannot import: unknown
+        return None
+    if found is None:
         return None
     where = sys.modules[found.__module__]
     layers = sorted(

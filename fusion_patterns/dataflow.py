@@ -106,3 +106,11 @@ def require_close(
         raise PatternRefused(
             f"{what}: the fused form differs (max rel err {err:.1e} > {tol:.0e})"
         )
+
+
+def round_weights(module: nn.Module, dtype: torch.dtype) -> None:
+    """Every parameter of `module` made a value of `dtype`, kept in its own dtype: an
+    engine loading it in `dtype` holds the very weights `module` computes with."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(p.to(dtype).to(p.dtype))

@@ -54,6 +54,15 @@ NEG_EXP_A_LOG = m.UnaryOperation(
 
 
 _CONV = ("nn.Conv1d", "torch.nn.Conv1d")
+_PARAMETER = m.Call(
+    func=m.Attribute(value=m.Name("nn"), attr=m.Name("Parameter")) | m.Name("Parameter")
+)
+
+
+def parameter_attrs(info: ClassInfo) -> set[str]:
+    """The attributes `__init__` builds as an `nn.Parameter` (a mixer's own weights:
+    `A_log`, `dt_bias`, `D`)."""
+    return {a for a, v in info.attrs.items() if m.matches(v, _PARAMETER)}
 
 
 def conv_attrs(info: ClassInfo) -> list[str]:
@@ -251,8 +260,15 @@ def compared(source, vllm, prompt: int, steps: int, tolerance: float, names) -> 
     what each step carries). A side that cannot run is not proven."""
     from .dataflow import require_close
 
+    want, got = ran(source, vllm)
+    for what, rows in step_parts(prompt, steps, names):
+        require_close(got[rows], want[rows], what, tolerance)
+
+
+def ran(*sides) -> list:
+    """Each side's output; a side that cannot run: not proven (one line)."""
     try:
-        want, got = source(), vllm()
+        return [side() for side in sides]
     except PatternRefused:
         raise
     except Exception as exc:  # noqa: BLE001 - a side that cannot run: not proven
@@ -260,13 +276,16 @@ def compared(source, vllm, prompt: int, steps: int, tolerance: float, names) -> 
             traceback.print_exc()
         what = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
         raise PatternRefused(f"the comparison could not run: {what}") from exc
+
+
+def step_parts(prompt: int, steps: int, names) -> list[tuple[str, slice]]:
+    """(what, rows) of a mixer's output: the prompt, then each decode step; `names` =
+    (what runs over the prompt, what each step carries)."""
     over, carried = names
-    require_close(got[:prompt], want[:prompt], f"{over} over the prompt", tolerance)
-    for i in range(steps):
-        t = prompt + i
-        require_close(
-            got[t], want[t], f"decode step {i + 1} ({carried} carried)", tolerance
-        )
+    return [(f"{over} over the prompt", slice(0, prompt))] + [
+        (f"decode step {i + 1} ({carried} carried)", slice(prompt + i, prompt + i + 1))
+        for i in range(steps)
+    ]
 
 
 def evaluated(exprs: dict[str, cst.BaseExpression], config) -> dict:

@@ -751,9 +751,6 @@ class OlmoHybridForCausalLM(
             ".linear_attn.g_proj.": (".linear_attn.in_proj_qkvg.", 3),
             ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
             ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
-            ".linear_attn.q_conv1d.weight": (".linear_attn.conv1d.weight", 0),
-            ".linear_attn.k_conv1d.weight": (".linear_attn.conv1d.weight", 1),
-            ".linear_attn.v_conv1d.weight": (".linear_attn.conv1d.weight", 2),
         },
     )
 

@@ -46,13 +46,14 @@ REPO = Path(__file__).resolve().parent.parent
 # codemods/ and generated/ importable even without `pip install -e .`
 sys.path.insert(0, str(REPO))
 
+from codemods.vllm_native import TRANSFORMERS_BACKEND  # noqa: E402
+
 IMPLS = ("generated", "native", "transformers")
 IMPL_LABELS = {
     "generated": "generated",
     "native": "vLLM native",
     "transformers": "Transformers backend",
 }
-TRANSFORMERS_BACKEND = "vllm.model_executor.models.transformers"
 # One model per family and layout, under 30 minutes on 2 cores at 3 repeats: native
 # layouts (dense, per-layer-type sliding windows, MoE) and faithful files of each kind of
 # copied part (learned positions, ALiBi, parallel blocks, shared experts, routed experts
@@ -446,14 +447,10 @@ def _first_that_builds(causal_cls, kwargs: dict, defaults: dict):
 def native_class(hf_arch: str) -> str | None:
     """vLLM's own class for `hf_arch` ("module:qualname"), or None when vLLM serves that
     architecture only through the Transformers backend (or not at all)."""
-    from vllm import ModelRegistry
+    from codemods.vllm_native import native_class as found
 
-    entry = ModelRegistry.models.get(hf_arch)
-    module = getattr(entry, "module_name", "")
-    if not module.startswith("vllm.") or module.startswith(TRANSFORMERS_BACKEND):
-        return None
-    cls = entry.load_model_cls()
-    return f"{cls.__module__}:{cls.__qualname__}"
+    cls = found(hf_arch)
+    return f"{cls.__module__}:{cls.__qualname__}" if cls is not None else None
 
 
 def prime_model_info(archs: list[str]) -> None:

@@ -238,20 +238,15 @@ def _causal_roles(model: Model, require_no_mla: bool) -> CausalRoles:
     )
 
 
-def _with_shards(stacked: list, shards: list) -> list:
-    """The records' stacked names, then the conversion's shards they do not cover."""
-    return stacked + [s for s in shards if not any(k in s[0] for k, _, _ in stacked)]
-
-
 def _loading(model: Model, plan: Plan) -> Loading:
     causal_cls = type(model.probe.model)
-    renames, stacking, fused, shards = weights.conversions(
+    renames, stacking, fused = weights.conversions(
         causal_cls,
         model.config.model_type,
         [c.experts for c in model.claims if c.experts],
     )
     mapper, methods, weights_arg = weights.loader_code(
-        renames, stacking, _with_shards(plan.stacked_params(), shards), fused
+        renames, stacking, plan.stacked_params(), fused
     )
     loading = Loading(mapper, methods, stacked=weights_arg == "stacked")
     if tied_modules.ties_modules(model.roles):

@@ -40,9 +40,8 @@ VLLM_STACKED = ("gate_up_proj", "down_proj")
 
 def conversions(causal_cls, model_type: str, fused_experts=()):
     """(renames as WeightRenaming constructor arguments, expert stackings, {WeightsMapper
-    field: {old: new}} for the names of fused experts, shards: (checkpoint name, merged
-    name, shard id) for tensors transformers concatenates into one). `fused_experts`:
-    the (gate_up, down) parameter names of the experts a pattern fused."""
+    field: {old: new}} for the names of fused experts). `fused_experts`: the (gate_up,
+    down) parameter names of the experts a pattern fused."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming
 
@@ -55,7 +54,6 @@ def conversions(causal_cls, model_type: str, fused_experts=()):
     stacking: list[Stacking] = []
     fused: dict[str, dict[str, str]] = {}
     per_expert: list[str] = []
-    shards: list[tuple[str, str, int]] = []
     for conv in found:
         sources = list(conv.source_patterns)
         targets = list(conv.target_patterns)
@@ -70,11 +68,9 @@ def conversions(causal_cls, model_type: str, fused_experts=()):
                 per_expert += names
                 continue
             if ops == [("Concatenate", 0)] and len(targets) == 1 and _plain(sources):
-                # published per-part tensors of one merged parameter (OLMo Hybrid's
-                # q/k/v convs): each loads as its shard, as vLLM's own files map them
-                shards += [
-                    (f".{s}", f".{targets[0]}", i) for i, s in enumerate(sources)
-                ]
+                # a linear attention's conv published as q/k/v parts (OLMo Hybrid's,
+                # Kimi's): the gated-DeltaNet claim's loader joins them (a layer no
+                # pattern claims is refused before its weights matter)
                 continue
             if len(targets) == 1 and all("*" in s for s in sources):
                 if ops == [("MergeModulelist", 0)] and len(sources) == 1:
@@ -93,7 +89,7 @@ def conversions(causal_cls, model_type: str, fused_experts=()):
         )
     for stacked in fused_experts:
         _expert_renames(fused, per_expert, stacked, causal_cls.__name__)
-    return renames, stacking, fused, shards
+    return renames, stacking, fused
 
 
 def _plain(patterns: list[str]) -> bool:

@@ -82,12 +82,12 @@ class GatedDeltaNet(StateMixer):
                         out.spec.class_name,
                         parts,
                         merged,
-                        layer,
+                        "MergedColumnParallelLinear",
                         shard_ids=ids,
                         scope=r.scope,
                     )
                     for r in list(out.records)
-                    for parts, merged, ids, layer in _stacked(out.spec)
+                    for parts, merged, ids in out.spec.stacked()
                 ]
             yield out
 
@@ -138,8 +138,3 @@ class GatedDeltaNet(StateMixer):
         fields = claim.spec.fields
         shape = {k: code(fields[v]) for k, v in STATE_SHAPE.items()}
         return causal_hook(GATED_DELTA_NET, shape, attends)
-
-
-def _stacked(spec: GatedDeltaNetSpec) -> list[tuple]:
-    """(parts, vLLM's merged projection, shard ids, its layer)."""
-    return [(*s, "MergedColumnParallelLinear") for s in spec.stacked()]

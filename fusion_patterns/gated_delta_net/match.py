@@ -22,7 +22,7 @@ import libcst.matchers as m
 
 from ..base import ClassInfo, PatternRefused, Refusal, code, is_linear, self_attr
 from ..moe.match import resolve
-from ..state_layers import conv_attrs, read_or_refused
+from ..state_layers import conv_attrs, parameter_attrs, read_or_refused
 
 NAME = "gated_delta_net"
 WHAT = "gated DeltaNet"
@@ -43,8 +43,9 @@ class Target:
     # ((the source's projections), vLLM's merged projection, shard ids); for Qwen's,
     # the flat layout's (its interleaved one loads as the checkpoint holds it)
     stacked: tuple[tuple[tuple[str, ...], str, tuple], ...]
-    # the config field a scaled beta gate follows (None: the layer takes none)
-    beta_scale: str | None = None
+    # it scales beta as a config field says (OLMo's negative eigenvalues); else a
+    # source scaling its sigmoid gate is refused
+    scales_beta: bool = False
     # its forward returns the output (else it writes into an output it is handed)
     returns: bool = True
     # the record's parts after the in-projections
@@ -86,7 +87,7 @@ OLMO = Target(
     },
     ("conv1d", "o_norm", "o_proj", "A_log", "dt_bias", "a_proj", "b_proj"),
     ((("q_proj", "k_proj", "v_proj", "g_proj"), "in_proj_qkvg", (0, 1, 2, 3)),),
-    beta_scale="linear_allow_neg_eigval",
+    scales_beta=True,
     returns=False,
     conv_parts=("q_conv1d", "k_conv1d", "v_conv1d"),
     record=("b_proj", "a_proj", "conv1d", "A_log + dt_bias", "o_norm", "o_proj"),
@@ -96,10 +97,6 @@ TARGETS = (QWEN, OLMO)
 VLLM_CLASS = QWEN.vllm_class
 # Qwen's interleaved layout: two projections, loaded as the checkpoint holds them
 INTERLEAVED = ("in_proj_qkvz", "in_proj_ba")
-
-_PARAMETER = m.Call(
-    func=m.Attribute(value=m.Name("nn"), attr=m.Name("Parameter")) | m.Name("Parameter")
-)
 
 
 @dataclass(frozen=True)
@@ -128,14 +125,10 @@ class GatedDeltaNetSpec:
         return [] if self.interleaved else list(self.target.stacked)
 
 
-def _params(info: ClassInfo) -> set[str]:
-    return {a for a, v in info.attrs.items() if m.matches(v, _PARAMETER)}
-
-
 def is_candidate(info: ClassInfo) -> bool:
     if info.forward is None or info.init is None:
         return False
-    params = _params(info)
+    params = parameter_attrs(info)
     return (
         len(conv_attrs(info)) == 1
         and {"A_log", "dt_bias"} <= params
@@ -183,7 +176,7 @@ def _target(info: ClassInfo) -> Target:
 def _read(info: ClassInfo) -> GatedDeltaNetSpec:
     target = _target(info)
     scaled = _scaled_gates(info.forward)
-    if scaled and target.beta_scale is None:
+    if scaled and not target.scales_beta:
         raise PatternRefused(
             f"it scales a sigmoid gate (`{scaled[0].strip()}`), which vLLM's "
             f"{target.vllm_class} does not (its CPU kernels take beta = sigmoid(b))"
@@ -224,9 +217,11 @@ def _read(info: ClassInfo) -> GatedDeltaNetSpec:
     if len(in_projs) == 4:  # stacked in the order forward calls them
         target = replace(
             target,
-            stacked=(
-                (in_projs[:2], "in_proj_qkvz", ((0, 1, 2), 3)),
-                (in_projs[2:], "in_proj_ba", (0, 1)),
+            stacked=tuple(
+                (parts, merged, ids)
+                for parts, (_, merged, ids) in zip(
+                    (in_projs[:2], in_projs[2:]), target.stacked
+                )
             ),
         )
     return GatedDeltaNetSpec(info.name, target, fields, in_projs, info=info)

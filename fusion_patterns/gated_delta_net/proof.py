@@ -20,11 +20,14 @@ import copy
 from types import SimpleNamespace
 
 from ..base import PatternRefused
+from ..dataflow import round_weights
 from ..state_layers import (
     evaluated,
     proven_with_flags,
+    ran,
     require_shapes,
     source_outputs,
+    step_parts,
 )
 from .emit import RULE_ON_CPU
 from .match import GatedDeltaNetSpec
@@ -61,32 +64,25 @@ def _prove_one(spec: GatedDeltaNetSpec, module, config, steps: int) -> None:
     prompt = args["linear_conv_kernel_dim"] + 9
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, prompt + steps, args["hidden_size"], generator=gen)
-    try:
-        rounded = _bf16_rounded(module)
-        want = source_outputs(rounded, config, x, prompt)
-        own = source_outputs(
+    # the weights as vLLM loads them in bf16, computing in fp32: what both bf16 runs
+    # are held to
+    rounded = copy.deepcopy(module)
+    round_weights(rounded, torch.bfloat16)
+    vllm = _vllm if spec.on_qwen else _vllm_on_cpu_rule
+    want, own, got = ran(
+        lambda: source_outputs(rounded, config, x, prompt),
+        lambda: source_outputs(
             copy.deepcopy(rounded).bfloat16(), config, x.bfloat16(), prompt
-        ).float()
-        vllm = _vllm if spec.on_qwen else _vllm_on_cpu_rule
-        got = vllm(rounded, spec, args, x[0], prompt)
-    except PatternRefused:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a side that cannot run: not proven
-        what = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
-        raise PatternRefused(f"the comparison could not run: {what}") from exc
-    parts = [("the prompt", slice(0, prompt))] + [
-        (
-            f"decode step {i + 1} (conv and recurrent states carried)",
-            slice(prompt + i, prompt + i + 1),
-        )
-        for i in range(steps)
-    ]
+        ).float(),
+        lambda: vllm(rounded, spec, args, x[0], prompt),
+    )
+    parts = step_parts(prompt, steps, ("the delta rule", "conv and recurrent states"))
     floor = max(MIN_FLOOR, *(rel_err(own[rows], want[rows]) for _, rows in parts))
     for where, rows in parts:
         err = rel_err(got[rows], want[rows])
         if not err <= FLOOR_FACTOR * floor:
             raise PatternRefused(
-                f"over {where}: vLLM's bf16 computation differs from the fp32 "
+                f"{where}: vLLM's bf16 computation differs from the fp32 "
                 f"source (max rel err {err:.1e} > {FLOOR_FACTOR:g}x {floor:.1e}, "
                 "the source's own bf16 error)"
             )
@@ -137,16 +133,20 @@ def _randomised(module, spec: GatedDeltaNetSpec):
     return module
 
 
-def _bf16_rounded(module):
-    """The module with every weight rounded to bf16 (what vLLM loads in bf16), still
-    computing in fp32: the reference both bf16 runs are held to."""
-    import torch
-
-    module = copy.deepcopy(module)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(p.bfloat16().float())
-    return module
+def _one_rank(args: dict, **more) -> SimpleNamespace:
+    """The attributes vLLM's GDN layers' own methods read, at one rank (and `more`)."""
+    nk, nv = args["linear_num_key_heads"], args["linear_num_value_heads"]
+    dk, dv = args["linear_key_head_dim"], args["linear_value_head_dim"]
+    return SimpleNamespace(
+        num_k_heads=nk,
+        num_v_heads=nv,
+        head_k_dim=dk,
+        head_v_dim=dv,
+        key_dim=nk * dk,
+        value_dim=nv * dv,
+        tp_size=1,
+        **more,
+    )
 
 
 def _vllm(module, spec: GatedDeltaNetSpec, args: dict, x, prompt: int):
@@ -170,16 +170,7 @@ def _vllm(module, spec: GatedDeltaNetSpec, args: dict, x, prompt: int):
     nk, nv = args["linear_num_key_heads"], args["linear_num_value_heads"]
     dk, dv = args["linear_key_head_dim"], args["linear_value_head_dim"]
     kernel = args["linear_conv_kernel_dim"]
-    # the attributes vLLM's layout methods read, at one rank
-    layer = SimpleNamespace(
-        num_k_heads=nk,
-        num_v_heads=nv,
-        head_k_dim=dk,
-        head_v_dim=dv,
-        key_dim=nk * dk,
-        value_dim=nv * dv,
-        tp_size=1,
-    )
+    layer = _one_rank(args)
     weights = [getattr(module, p).weight for p in spec.in_projs]
     if spec.interleaved:
         w_qkvz, w_ba = weights
@@ -311,14 +302,8 @@ def _vllm_on_cpu_rule(module, spec: GatedDeltaNetSpec, args: dict, x, prompt: in
     nk, nv = args["linear_num_key_heads"], args["linear_num_value_heads"]
     dk, dv = args["linear_key_head_dim"], args["linear_value_head_dim"]
     kernel, conv_dim = args["linear_conv_kernel_dim"], 2 * nk * dk + nv * dv
-    layer = SimpleNamespace(
-        num_k_heads=nk,
-        num_v_heads=nv,
-        head_k_dim=dk,
-        head_v_dim=dv,
-        key_dim=nk * dk,
-        value_dim=nv * dv,
-        tp_size=1,
+    layer = _one_rank(
+        args,
         conv1d=SimpleNamespace(weight=module.conv1d.weight.to(bf16), bias=None),
         activation=args["hidden_act"],
         A_log=module.A_log.to(bf16),  # vLLM's layer holds it in the model's dtype

@@ -19,15 +19,12 @@ import libcst.matchers as m
 
 from ..base import ClassInfo, PatternRefused, Refusal, code, is_linear, linear_args
 from ..moe.match import resolve as resolve_attrs
-from ..state_layers import conv_attrs, read_or_refused
+from ..state_layers import conv_attrs, parameter_attrs, read_or_refused
 
 NAME = "short_conv"
 VLLM_CLASS = "ShortConv"
 WHAT = "gated short convolution"
 
-_PARAMETER = m.Call(
-    func=m.Attribute(value=m.Name("nn"), attr=m.Name("Parameter")) | m.Name("Parameter")
-)
 _CHUNK3 = m.Call(
     func=m.Attribute(attr=m.Name("chunk")),
     args=[m.Arg(m.Integer("3")), m.ZeroOrMore()],
@@ -52,8 +49,11 @@ def is_candidate(info: ClassInfo) -> bool:
     if info.forward is None or info.init is None:
         return False
     convs = conv_attrs(info)
-    owns = any(m.matches(v, _PARAMETER) for v in info.attrs.values())
-    return len(convs) == 1 and not owns and bool(m.findall(info.forward, _CHUNK3))
+    return (
+        len(convs) == 1
+        and not parameter_attrs(info)
+        and bool(m.findall(info.forward, _CHUNK3))
+    )
 
 
 def match(info: ClassInfo) -> ShortConvSpec | Refusal | None:
