@@ -35,6 +35,8 @@ class Model:
     tp_plan: dict[str, dict[str, str]]
     # linear attributes whose `.weight`/`.bias` the source reads: kept as nn.Linear
     kept_linears: set[str]
+    # class -> linears it reads as weights only on a branch its config decides
+    branch_reads: dict = field(default_factory=dict)
     claims: list[Claim] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)
 

@@ -50,6 +50,9 @@ def claimed(
         values = kinds.primary
     found = probe.probe(pymodule, source.classes, causal_cls, values)
     role = roles.find(source, pymodule, causal_cls, found)
+    kept, branch_reads = copying.linear_reads(
+        source.module, source.classes, role.wanted
+    )
     model = claims.run(
         claims.Model(
             source=source,
@@ -60,9 +63,8 @@ def claimed(
             tp_plan=claims.tp_plan(
                 found.config, found.model, role.base_attr, source.classes
             ),
-            kept_linears=copying.kept_linears(
-                source.module, source.classes, role.wanted
-            ),
+            kept_linears=kept,
+            branch_reads=branch_reads,
         ),
         disabled,
     )

@@ -244,6 +244,32 @@ def widths(module, styles: dict[str, str], head_attrs: list[str]) -> list[str]:
     ]
 
 
+def _rank_inputs(module, head_attrs, call, rank: int):
+    """(args, kwargs) one rank's copy receives: an input shaped per head (its leading
+    dimension the batch times the class's head count: BLOOM's ALiBi biases, one row per
+    head) split over the ranks as the heads are; every other input whole."""
+    import torch
+
+    args, kwargs, _ = call
+    heads = [getattr(module, a) for a in head_attrs]
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is None:
+        first = next((a for a in kwargs.values() if isinstance(a, torch.Tensor)), None)
+    batch = first.shape[0] if first is not None and first.dim() else None
+
+    def mine(value):
+        if not isinstance(value, torch.Tensor) or batch is None or value.dim() < 2:
+            return copy.deepcopy(value)
+        for h in heads:
+            if value is not first and value.shape[0] == batch * h and h % RANKS == 0:
+                rows = value.reshape(batch, h, *value.shape[1:])
+                part = rows.chunk(RANKS, 1)[rank]
+                return part.reshape(-1, *value.shape[1:]).clone()
+        return copy.deepcopy(value)
+
+    return [mine(a) for a in args], {k: mine(v) for k, v in kwargs.items()}
+
+
 def _first(out):
     if isinstance(out, (tuple, list)):
         return out[0]
@@ -273,9 +299,8 @@ def prove(
         try:
             with torch.no_grad():
                 shard = _shard(module, sharded, head_attrs, sinks, rank, reduce)
-                outs[rank] = _first(
-                    shard(*copy.deepcopy(args), **copy.deepcopy(kwargs))
-                )
+                rank_args, rank_kwargs = _rank_inputs(module, head_attrs, call, rank)
+                outs[rank] = _first(shard(*rank_args, **rank_kwargs))
         except Exception as exc:  # noqa: BLE001 - a reshape that counts the whole
             errors.append(exc)
             reduce.barrier.abort()

@@ -10,10 +10,10 @@
 # Fusion report:
 #   Unfused: decoder layer (BloomBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (BloomMLP): copied from the source
+#   Unfused: config branch (BloomMLP): `self.pretraining_tp > 1 and self.slow_but_exact` reads dense_4h_to_h as weights: vLLM's linears, the source's own torch layers for a config taking that branch (served at tensor parallel size 1 without quantization, refused when the module is built elsewhere)
 #   Unfused: module (BloomGelu): copied from the source
 #   Unfused: attention (BloomAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5, alibi=alibi_slopes(self.num_heads))
-#   Unfused: tensor parallel (BloomMLP): replicated on every rank: dense_h_to_4h (transformers' TP plan has no entry for them, and their dataflow gives none: the source reads dense_4h_to_h as weights)
-#   Unfused: tensor parallel (BloomAttention): replicated on every rank: query_key_value (transformers' TP plan has no entry for them, and their dataflow gives none: the source reads dense as weights)
+#   Unfused: config branch (BloomAttention): `self.pretraining_tp > 1 and self.slow_but_exact` reads dense as weights: vLLM's linears, the source's own torch layers for a config taking that branch (served at tensor parallel size 1 without quantization, refused when the module is built elsewhere)
 #   Refused: residual add + norm (BloomBlock): forward does not end with `return <hidden states>`
 # ======================================================================================
 """Native vLLM implementation of BloomForCausalLM, generated from transformers/models/bloom/modeling_bloom.py."""
@@ -28,9 +28,13 @@ from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import (
+    get_pp_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -93,6 +97,25 @@ def alibi_slopes(heads: int) -> list[float]:
         extra = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
         slopes += [extra**p for p in range(1, 1 + 2 * min(closest, heads - closest), 2)]
     return slopes
+
+
+def source_layers_for(module: nn.Module, branch: str, quant_config) -> None:
+    """This config takes the source's branch `branch`, which reads weights as tensors:
+    the module holds the source's own layers for them (torch layers, whole, not
+    quantized), and its other linears must be whole too."""
+    tp_size = get_tensor_model_parallel_world_size()
+    sharded = [
+        name
+        for name, layer in module.named_children()
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear))
+    ]
+    if (sharded and tp_size > 1) or quant_config is not None:
+        raise ValueError(
+            f"{type(module).__name__}: this config takes the source's branch "
+            f"`{branch}`, which reads weights as tensors: served at tensor parallel "
+            f"size 1 without quantization only (here: tensor parallel size {tp_size}, "
+            f"quantization {quant_config})"
+        )
 
 
 logger = logging.get_logger(__name__)
@@ -272,7 +295,7 @@ class BloomAttention(nn.Module):
                 "when creating this class."
             )
 
-        self.query_key_value = ReplicatedLinear(
+        self.query_key_value = ColumnParallelLinear(
             self.hidden_size,
             3 * self.hidden_size,
             bias=True,
@@ -280,8 +303,26 @@ class BloomAttention(nn.Module):
             prefix=f"{prefix}.query_key_value",
             return_bias=False,
         )
-        self.dense = nn.Linear(self.hidden_size, self.hidden_size)
+        self.dense = (
+            nn.Linear(self.hidden_size, self.hidden_size)
+            if config.pretraining_tp > 1 and config.slow_but_exact
+            else RowParallelLinear(
+                self.hidden_size,
+                self.hidden_size,
+                bias=True,
+                quant_config=quant_config,
+                prefix=f"{prefix}.dense",
+                return_bias=False,
+            )
+        )
         self.attention_dropout = nn.Dropout(config.attention_dropout)
+        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
+        # of the heads (the source's reshapes count heads per rank)
+        tp_size = get_tensor_model_parallel_world_size()
+        assert (
+            self.num_heads
+        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
+        self.num_heads = self.num_heads // tp_size
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -301,9 +342,18 @@ class BloomAttention(nn.Module):
             cache_config=cache_config,
             quant_config=quant_config,
             per_layer_sliding_window=sliding_window,
-            alibi_slopes=alibi_slopes(self.num_heads),
+            alibi_slopes=alibi_slopes(self.num_heads * tp_size)[
+                get_tensor_model_parallel_rank()
+                * (self.num_heads) : (get_tensor_model_parallel_rank() + 1)
+                * (self.num_heads)
+            ],
             prefix=f"{prefix}.attn",
         )
+        # the source's forward reads weights as tensors where the config says so
+        if self.pretraining_tp > 1 and self.slow_but_exact:
+            source_layers_for(
+                self, "self.pretraining_tp > 1 and self.slow_but_exact", quant_config
+            )
 
     def _reshape(
         self, fused_qkv: torch.Tensor
@@ -414,7 +464,7 @@ class BloomMLP(nn.Module):
 
         self.pretraining_tp = config.pretraining_tp
         self.slow_but_exact = config.slow_but_exact
-        self.dense_h_to_4h = ReplicatedLinear(
+        self.dense_h_to_4h = ColumnParallelLinear(
             hidden_size,
             4 * hidden_size,
             bias=True,
@@ -423,8 +473,24 @@ class BloomMLP(nn.Module):
             return_bias=False,
         )
         self.gelu_impl = BloomGelu()
-        self.dense_4h_to_h = nn.Linear(4 * hidden_size, hidden_size)
+        self.dense_4h_to_h = (
+            nn.Linear(4 * hidden_size, hidden_size)
+            if config.pretraining_tp > 1 and config.slow_but_exact
+            else RowParallelLinear(
+                4 * hidden_size,
+                hidden_size,
+                bias=True,
+                quant_config=quant_config,
+                prefix=f"{prefix}.dense_4h_to_h",
+                return_bias=False,
+            )
+        )
         self.hidden_dropout = config.hidden_dropout
+        # the source's forward reads weights as tensors where the config says so
+        if self.pretraining_tp > 1 and self.slow_but_exact:
+            source_layers_for(
+                self, "self.pretraining_tp > 1 and self.slow_but_exact", quant_config
+            )
 
     def forward(
         self, hidden_states: torch.Tensor, residual: torch.Tensor

@@ -11,7 +11,6 @@
 #   Unfused: decoder layer (MptBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (MptMLP): copied from the source
 #   Unfused: attention (MptAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5, alibi=alibi_slopes(self.n_heads))
-#   Unfused: tensor parallel (MptAttention): replicated: sharded over 2 ranks it fails (RuntimeError: The size of tensor a (2) must match the size of tensor b (4) at non-singleton dimension 1)
 #   Refused: residual add + norm (MptBlock): forward does not end with `return <hidden states>`
 # ======================================================================================
 """Native vLLM implementation of MptForCausalLM, generated from transformers/models/mpt/modeling_mpt.py."""
@@ -26,11 +25,15 @@ from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import (
+    get_pp_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
-    ReplicatedLinear,
+    MergedColumnParallelLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -148,15 +151,15 @@ class MptAttention(nn.Module):
 
         self.attn_dropout_p = config.attn_config.attn_pdrop
         self.clip_qkv = config.attn_config.clip_qkv
-        self.Wqkv = ReplicatedLinear(
+        self.Wqkv = MergedColumnParallelLinear(
             self.hidden_size,
-            3 * self.hidden_size,
+            [self.hidden_size] * 3,
             bias=False,
             quant_config=quant_config,
             prefix=f"{prefix}.Wqkv",
             return_bias=False,
         )
-        self.out_proj = ReplicatedLinear(
+        self.out_proj = RowParallelLinear(
             self.hidden_size,
             self.hidden_size,
             bias=False,
@@ -165,6 +168,13 @@ class MptAttention(nn.Module):
             return_bias=False,
         )
         self.layer_idx = layer_idx
+        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
+        # of the heads (the source's reshapes count heads per rank)
+        tp_size = get_tensor_model_parallel_world_size()
+        assert (
+            self.n_heads
+        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
+        self.n_heads = self.n_heads // tp_size
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -184,7 +194,11 @@ class MptAttention(nn.Module):
             cache_config=cache_config,
             quant_config=quant_config,
             per_layer_sliding_window=sliding_window,
-            alibi_slopes=alibi_slopes(self.n_heads),
+            alibi_slopes=alibi_slopes(self.n_heads * tp_size)[
+                get_tensor_model_parallel_rank()
+                * (self.n_heads) : (get_tensor_model_parallel_rank() + 1)
+                * (self.n_heads)
+            ],
             prefix=f"{prefix}.attn",
         )
 

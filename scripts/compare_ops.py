@@ -20,12 +20,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
 STEPS = 8
+TOP = 12
 
 
-def op_counts(ckpt: str, arch: str | None) -> tuple[str, collections.Counter]:
-    """`arch` None: vLLM's Transformers backend."""
+def op_counts(
+    ckpt: str, arch: str | None
+) -> tuple[str, collections.Counter, collections.Counter]:
+    """Per decode step: each aten op's calls and its self CPU time in ms. `arch` None:
+    vLLM's Transformers backend."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
@@ -53,19 +58,28 @@ def op_counts(ckpt: str, arch: str | None) -> tuple[str, collections.Counter]:
         llm.generate(prompt, params, use_tqdm=False)
 
     run(llm, 2)  # warm-up
-    counts = {}
+    counts, times = {}, {}
     for tokens in (1, 1 + STEPS):  # prefill only, then prefill + STEPS decode steps
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU]
         ) as prof:
             run(llm, tokens)
-        counts[tokens] = collections.Counter(
-            {e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")}
+        ops = [e for e in prof.key_averages() if e.key.startswith(("aten::", "_C"))]
+        counts[tokens] = collections.Counter({e.key: e.count for e in ops})
+        times[tokens] = collections.Counter(
+            {e.key: e.self_cpu_time_total / 1e3 for e in ops}
         )
     del llm
     cleanup_dist_env_and_memory()
-    per_step = counts[1 + STEPS] - counts[1]
-    return impl, collections.Counter({k: v / STEPS for k, v in per_step.items()})
+
+    def per_step(c):
+        return collections.Counter({k: v / STEPS for k, v in c.items()})
+
+    return (
+        impl,
+        per_step(counts[1 + STEPS] - counts[1]),
+        per_step(times[1 + STEPS] - times[1]),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,23 +92,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    from codemods import tiny
+    import torch
+    from benchmark import PRESETS, build_checkpoint, causal_class
+
     from codemods.logs import quiet_vllm_logging
-    from codemods.verify import read_header, reference_class
+    from codemods.verify import read_header
 
     quiet_vllm_logging()
     header = read_header(REPO / "generated" / f"{args.model}.py")
     arch, causal_name = (s.strip() for s in header["architecture"].split("->"))
-    causal_cls = reference_class(header["source"].strip(), causal_name, False)
+    source = header["source"].strip()
+    causal_cls = causal_class(source, causal_name)
     with tempfile.TemporaryDirectory() as tmp:
-        # sizes only, every other field at its default, as the benchmark serves it
-        fields = causal_cls.config_class().to_dict()
-        sizes = {k: v for k, v in tiny.SIZES.items() if k in fields}
-        config = causal_cls.config_class(**sizes)
-        tiny.build_checkpoint(causal_cls, config, Path(tmp))
-        ours_impl, ours = op_counts(tmp, arch)
+        # the benchmark's own checkpoint (its CPU sizes, every other field at default)
+        build_checkpoint(
+            causal_cls, PRESETS["cpu"]["sizes"], tmp, 0, torch.float32, source=source
+        )
+        ours_impl, ours, ours_ms = op_counts(tmp, arch)
         other = None if args.transformers else causal_name
-        native_impl, native = op_counts(tmp, other)
+        native_impl, native, native_ms = op_counts(tmp, other)
     label = "backend" if args.transformers else "native"
     print(f"ops per decode step: {ours_impl} vs {native_impl}")
     print(f"{'op':40} {'generated':>10} {label:>10}")
@@ -103,6 +119,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{op:40} {ours[op]:10.2f} {native[op]:10.2f}")
     total = {"generated": sum(ours.values()), label: sum(native.values())}
     print(json.dumps({"model": args.model, "ops_per_step": total}))
+    print(f"\nself CPU ms per decode step (noisy), the {TOP} largest differences:")
+    diffs = sorted(
+        ours_ms.keys() | native_ms.keys(),
+        key=lambda op: -abs(ours_ms[op] - native_ms[op]),
+    )
+    for op in diffs[:TOP]:
+        print(f"{op:40} {ours_ms[op]:10.3f} {native_ms[op]:10.3f}")
+    ms = {"generated": sum(ours_ms.values()), label: sum(native_ms.values())}
+    print(json.dumps({"model": args.model, "self_cpu_ms_per_step": ms}))
     return 0
 
 

@@ -151,19 +151,11 @@ def test_an_attention_that_counts_all_heads_in_a_reshape_is_replicated(tmp_path)
 
 def test_linears_no_plan_shards_are_said_to_be_replicated():
     """Linears no plan can shard are held whole on each rank, a slow path under TP that
-    the report names with the reason: BLOOM reads its output projections as weights (a
-    `pretraining_tp` branch), Falcon builds its own `nn.Linear` subclass, which the file
-    keeps (Qwen3's are all sharded; OPT, without a TP plan, by its dataflow)."""
+    the report names with the reason: Falcon builds its own `nn.Linear` subclass, which
+    the file keeps (Qwen3's are all sharded; OPT, without a TP plan, by its dataflow;
+    BLOOM's weight reads sit on a branch its config decides: test_config_branches.py)."""
     from codemods.apply import generate
 
-    plan, text = generate("modeling_bloom.py")
-    lines = [u.describe() for u in plan.unfused if u.what == "tensor parallel"]
-    assert (
-        "Unfused: tensor parallel (BloomAttention): replicated on every rank: "
-        "query_key_value (transformers' TP plan has no entry for them, and their "
-        "dataflow gives none: the source reads dense as weights)"
-    ) in lines, lines
-    assert "self.query_key_value = ReplicatedLinear(" in text
     plan, text = generate("modeling_falcon.py")
     lines = [u.describe() for u in plan.unfused if u.what == "tensor parallel"]
     assert any(

@@ -52,6 +52,8 @@ def test_every_kind_verifies_at_tp1():
         ("phi", ["--tp", "2"]),
         # no TP plan: sharded as the dataflow says (Conv1D, a packed q|k|v)
         ("gpt2", ["--tp", "2"]),
+        # ALiBi slopes per rank; weights read on a branch its config decides
+        ("bloom", ["--tp", "2"]),
     ],
     ids=lambda v: v if isinstance(v, str) else "".join(v).replace("--", ""),
 )
@@ -65,3 +67,33 @@ def test_faithful_kinds_under_parallelism(model, parallel):
         # what the running engine's largest rank holds of the layers' bytes: shards,
         # not replicas (a model replicated on every rank gives the same tokens)
         assert out["rank_share"] <= 0.6, out
+
+
+SLOW_BUT_EXACT = ["--override", "pretraining_tp=2", "--override", "slow_but_exact=true"]
+
+
+def test_a_config_taking_the_weight_reading_branch_is_served_whole():
+    """BLOOM's `pretraining_tp > 1 and slow_but_exact` path slices `dense.weight` (and
+    drops its bias): a config taking it gets the source's own torch layers and the
+    same tokens at TP=1, and a one-line refusal at TP=2, where its linears are sharded.
+    """
+    result = run_cli("codemods.verify", "bloom", *SLOW_BUT_EXACT, timeout=1200)
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert result.returncode == 0 and out["ok"], out
+    assert out["max_abs_logprob_diff"] <= 1e-4 and out["tokens_equal"]
+    result = run_cli(
+        "codemods.verify",
+        "bloom",
+        "--tp",
+        "2",
+        "--verbose",
+        *SLOW_BUT_EXACT,
+        timeout=1200,
+    )
+    assert result.returncode != 0
+    assert (
+        "ValueError: BloomAttention: this config takes the source's branch "
+        "`self.pretraining_tp > 1 and self.slow_but_exact`, which reads weights as "
+        "tensors: served at tensor parallel size 1 without quantization only (here: "
+        "tensor parallel size 2, quantization None)"
+    ) in result.stdout + result.stderr

@@ -246,3 +246,38 @@ def test_linears_a_pattern_emits_whole_are_said():
         "#   Kept: tensor parallel (DeepseekV3Attention): fused_qkv_a_proj, "
         in committed
     )
+
+
+class BiasedAttention(Attention):
+    """Attention adding a per-head bias the caller builds (BLOOM's ALiBi: one row per
+    head, [batch * heads, 1, tokens]); `whole` reads the bias as a whole instead."""
+
+    def __init__(self, whole=False):
+        super().__init__()
+        self.whole = whole
+
+    def forward(self, x, bias):
+        b, t, _ = x.shape
+        q, k, v = (
+            s(x).view(b, t, self.num_heads, -1).transpose(1, 2)
+            for s in (self.q, self.k, self.v)
+        )
+        if self.whole:  # every head gets the mean over all heads' rows: not per head
+            bias = bias.mean(0, keepdim=True).expand(b * self.num_heads, 1, t)
+        scores = q @ k.transpose(-1, -2) + bias.view(b, self.num_heads, 1, t)
+        out = scores.softmax(-1) @ v
+        return self.o(out.transpose(1, 2).reshape(b, t, self.embed_dim))
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_an_input_shaped_per_head_is_split_as_the_heads_are(whole):
+    """The proof hands each rank its heads' rows of an input shaped per head; a class
+    that reads such an input whole computes something else sharded and is refused."""
+    x, bias = torch.randn(2, 5, 8), torch.randn(2 * 4, 1, 5)
+    att = BiasedAttention(whole=whole)
+    call = _call(att, x, bias)
+    plan = sharding.derive(att, call)
+    assert plan == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
+    heads = ["num_heads", *sharding.widths(att, plan, ["num_heads"])]
+    failed = sharding.prove(att, plan, heads, call)
+    assert (failed is None) is (not whole), failed

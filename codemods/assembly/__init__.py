@@ -13,6 +13,7 @@ from fusion_patterns.mla import vllm_assumes_mla
 from ..copying import Copied, Unfused
 from ..copying import eager_attention, vllm_attention
 from ..copying import head_rows
+from ..copying import config_branches
 from ..copying.classes import CONV1D_HELPER
 from ..copying.definitions import Definitions, closure, copied_text
 from ..plan import Plan
@@ -140,7 +141,7 @@ def assemble(model: Model, copied: Copied, defs: Definitions, plan: Plan) -> Ass
     said = {
         u.source_class
         for u in [*plan.unfused, *out.unfused]  # plan.unfused holds the copy's lines
-        if u.what == "tensor parallel"
+        if u.what in ("tensor parallel", "config branch")
     }
     out.unfused += _torch_linears(body, said)
     extra = "\n".join(i for i in imports if i not in head.splitlines())
@@ -206,6 +207,8 @@ def _helpers(ctx, pieces: dict[str, str], claims) -> str:
     for name, text in eager_attention.ALIBI_HELPERS.items():
         if any(sp.alibi and f"{name}(" in sp.alibi for sp in specs):
             helper += text
+    if any("source_layers_for(" in text for text in pieces.values()):
+        helper += config_branches.HELPER
     if any("conv1d_layout(" in text for text in pieces.values()):
         helper += CONV1D_HELPER
     if any("shard_head_rows(" in text for text in pieces.values()):

@@ -17,14 +17,15 @@ from fusion_patterns.base import CLASS, CONSTRUCTION, REWRITE, Claim
 from fusion_patterns import sharding
 
 from . import head_rows, positions
-from .classes import CONV1D, LINEARS, Context, kept_linears, prefix_classes
+from .classes import CONV1D, LINEARS, Context, prefix_classes
 from .classes import rewrite_class
+from .config_branches import linear_reads
 from .definitions import Definitions
 
 if TYPE_CHECKING:
     from ..claims import Model
 
-__all__ = ["Copied", "Unfused", "copy_classes", "kept_linears"]
+__all__ = ["Copied", "Unfused", "copy_classes", "linear_reads"]
 
 
 @dataclass
@@ -88,6 +89,7 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
         styles=styles,
         divided=divided,
         kept_linears=model.kept_linears,
+        branch_reads=model.branch_reads,
         sharded_attention={
             n
             for n in roles.attention
@@ -132,6 +134,10 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
             )
         if line is not None:
             unfused.append(line)
+        if n in model.branch_reads:
+            unfused.append(
+                Unfused(n, "config branch", model.branch_reads[n].describe())
+            )
     for n in roles.attention:
         if n in pieces and (rows := head_rows.per_head_parameters(model, n)):
             pieces[n] = head_rows.shard_in_init(pieces[n], n, rows)

@@ -35,6 +35,7 @@ from ..errors import CodemodError
 from ..attention_calls import interface_name
 from . import vllm_attention
 from .attention import AttentionSpec
+from .config_branches import BranchRead
 from .definitions import strip_decorators
 from .eager_attention import CoreRewrite
 from .inference import clean_signature, inference_folded, is_docstring
@@ -79,6 +80,8 @@ class Context:
     divided: dict[str, list[str]] = field(default_factory=dict)
     # linear attributes read as `.weight`/`.bias`: kept as nn.Linear
     kept_linears: set[str] = field(default_factory=set)
+    # class -> the linears it reads as weights on a branch its config decides
+    branch_reads: dict[str, BranchRead] = field(default_factory=dict)
     # class -> attrs whose head count is divided over the TP ranks
     sharded_attention: set[str] = field(default_factory=set)
     # functions of the source that build attention masks (their calls become None)
@@ -101,30 +104,7 @@ class Context:
     positions: set[str] = field(default_factory=set)
 
 
-def kept_linears(
-    module: cst.Module, classes: dict[str, ClassInfo], wanted=None
-) -> set[str]:
-    """Attribute names whose `.weight` or `.bias` the source reads somewhere it is
-    copied from (not the PreTrainedModel classes, whose weight init is not copied, nor
-    a class the generated file does not hold, such as a flash-attention variant)."""
-    out = set()
-    for node in module.body:
-        if isinstance(node, cst.ClassDef) and (
-            _is_pretrained(node, classes)
-            or (wanted is not None and node.name.value not in wanted)
-        ):
-            continue
-        for attr in m.findall(
-            node,
-            m.Attribute(
-                value=m.Attribute(attr=m.Name()), attr=m.Name("weight") | m.Name("bias")
-            ),
-        ):
-            out.add(attr.value.attr.value)
-    return out
-
-
-def _is_pretrained(node: cst.ClassDef, classes) -> bool:
+def is_pretrained(node: cst.ClassDef, classes) -> bool:
     seen = set()
     stack = [node]
     while stack:
@@ -323,7 +303,11 @@ class _InitRewrite(cst.CSTTransformer):
             )
         # the source's classes it may name (`None` on a branch that builds nothing)
         alts = [c for c in self.aliases.get(func, []) if c in self.ctx.classes]
-        if alts and path is not None and any(c in self.ctx.prefix_classes for c in alts):
+        if (
+            alts
+            and path is not None
+            and any(c in self.ctx.prefix_classes for c in alts)
+        ):
             # `cls = MoeBlock if n > 1 else MLP; self.ffn = cls(config)` (Jamba): a
             # local naming copied classes, built with vLLM's arguments like them
             if not all(c in self.ctx.prefix_classes for c in alts):
@@ -385,6 +369,10 @@ class _InitRewrite(cst.CSTTransformer):
         )
         if conv1d:
             text = f"conv1d_layout({text})"
+        branch = self.ctx.branch_reads.get(self.info.name)
+        if branch is not None and attr in branch.attrs:
+            # a config taking the branch that reads its weight: the source's own layer
+            text = f"({code(call)} if {branch.init_test} else {text})"
         return cst.parse_expression(text)
 
 
@@ -555,6 +543,8 @@ def _rewrite_init(
             ctx.merged_heads.get(info.name),
         )
         body = _append(body, lines)
+    if info.name in ctx.branch_reads:
+        body = _append(body, ctx.branch_reads[info.name].guard_lines())
     if ctx.divided.get(info.name):
         # a sharded attention's lines above have set `tp_size` already
         has_tp_size = (

@@ -93,9 +93,10 @@ def init_lines(
         args.append(f"sinks={spec.sinks}")
     if spec.alibi:
         slopes = spec.alibi
-        if sharded:  # this rank's heads' slopes
+        if sharded:  # this rank's heads' slopes, of the slopes of all heads
             rank = "get_tensor_model_parallel_rank()"
-            slopes = f"{slopes}[{rank} * ({heads}) : ({rank} + 1) * ({heads})]"
+            every = _all_heads(slopes, spec.head_attrs)
+            slopes = f"{every}[{rank} * ({heads}) : ({rank} + 1) * ({heads})]"
         args.append(f"alibi_slopes={slopes}")
     args.append(f'prefix=f"{{prefix}}.{spec.attr}"')
     full = f"self.{spec.attr} = {attention_name}({', '.join(args)})"
@@ -120,6 +121,29 @@ def init_lines(
         "else:",
         f"    {full}",
     ]
+
+
+def _all_heads(expr: str, head_attrs: list[str]) -> str:
+    """`expr` read after the lines above divided the head counts over the ranks: each
+    `self.<head count>` in it multiplied back (ALiBi's slopes depend on the total)."""
+
+    class Whole(cst.CSTTransformer):
+        def leave_Attribute(self, original, updated):
+            if (
+                m.matches(updated.value, m.Name("self"))
+                and updated.attr.value in head_attrs
+            ):
+                return cst.parse_expression(f"(self.{updated.attr.value} * tp_size)")
+            return updated
+
+        def leave_Arg(self, original, updated):  # a call's own parentheses suffice
+            if isinstance(updated.value, cst.BinaryOperation):
+                return updated.with_changes(
+                    value=updated.value.with_changes(lpar=[], rpar=[])
+                )
+            return updated
+
+    return code(cst.parse_expression(expr).visit(Whole()))
 
 
 class InterfaceCall(cst.CSTTransformer):
