@@ -10,6 +10,7 @@ copied attention's projections, vLLM's rope in a copied attention and vLLM's pos
 for a count from the cache, and the residual fold last.
 """
 
+from .activation import Activation
 from .cache_positions import CachePositions
 from .gated_delta_net import GatedDeltaNet
 from .glu import GLU
@@ -31,6 +32,7 @@ PATTERNS = (
     ShortConvPattern(),
     GatedDeltaNet(),
     RMSNormPattern(),
+    Activation(),
     MoE(),
     RoutedExperts(),
     GLU(),

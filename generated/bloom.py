@@ -8,10 +8,10 @@
 # architecture:  GeneratedBloomForCausalLM -> BloomForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: BloomGelu (BloomMLP) -> gelu_impl (get_act_fn("gelu_pytorch_tanh"), within 7e-08 of the source)
 #   Unfused: decoder layer (BloomBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (BloomMLP): copied from the source
 #   Unfused: config branch (BloomMLP): `self.pretraining_tp > 1 and self.slow_but_exact` reads dense_4h_to_h as weights: vLLM's linears, the source's own torch layers for a config taking that branch (served at tensor parallel size 1 without quantization, refused when the module is built elsewhere)
-#   Unfused: module (BloomGelu): copied from the source
 #   Unfused: attention (BloomAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5, alibi=alibi_slopes(self.num_heads))
 #   Unfused: config branch (BloomAttention): `self.pretraining_tp > 1 and self.slow_but_exact` reads dense as weights: vLLM's linears, the source's own torch layers for a config taking that branch (served at tensor parallel size 1 without quantization, refused when the module is built elsewhere)
 #   Refused: residual add + norm (BloomBlock): forward does not end with `return <hidden states>`
@@ -33,6 +33,7 @@ from vllm.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
 )
+from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -200,63 +201,6 @@ def dropout_add(
     out = F.dropout(x, p=prob, training=training)
     out = residual + out
     return out
-
-
-def bloom_gelu_forward(x: torch.Tensor) -> torch.Tensor:
-    """
-    Custom bias GELU function. Adapted from Megatron-DeepSpeed code. Here we use a simple implementation (inference) to
-    make the model jitable.
-
-    Args:
-        x (`torch.tensor`):
-            input hidden states
-    """
-    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
-
-
-def bloom_gelu_back(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """
-    gradient of tanh approximation of gelu gradient of actual gelu is: 0.5 * (1. + torch.erf(x * 0.70710678)) +
-    0.3989423 * x * torch.exp(-0.5 * x * x)
-
-    Args:
-        g (`torch.tensor`):
-            gradient output tensor
-        x (`torch.tensor`):
-            input tensor
-    """
-    x = x[0]  # x is a tuple of 1 element, needs to unpack it first
-    tanh_out = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
-    # sqrt(2/pi) * 3 * 0.044715 -> 0.1070322243
-    ff = 0.5 * x * (
-        (1 - tanh_out * tanh_out) * (0.79788456 + 0.1070322243 * x * x)
-    ) + 0.5 * (1 + tanh_out)
-    return ff * g
-
-
-class GeLUFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(input)
-        return bloom_gelu_forward(input)
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> torch.Tensor:
-        input = ctx.saved_tensors
-        tmp = bloom_gelu_back(grad_output, input)
-        return tmp
-
-
-class BloomGelu(nn.Module):
-    """
-    Partly copied from Megatron-DeepSpeed code and adapted for our needs
-    """
-
-    def __init__(self):
-        super().__init__()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return GeLUFunction.apply(x)
 
 
 class BloomAttention(nn.Module):
@@ -472,7 +416,7 @@ class BloomMLP(nn.Module):
             prefix=f"{prefix}.dense_h_to_4h",
             return_bias=False,
         )
-        self.gelu_impl = BloomGelu()
+        self.gelu_impl = get_act_fn("gelu_pytorch_tanh")
         self.dense_4h_to_h = (
             nn.Linear(4 * hidden_size, hidden_size)
             if config.pretraining_tp > 1 and config.slow_but_exact

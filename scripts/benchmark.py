@@ -848,11 +848,18 @@ def machine_line(results: dict) -> str:
         f"{'eager' if s['eager'] else 'compiled'}; torch {m['torch']}, vllm {m['vllm']}, "
         f"transformers {m['transformers']}; {'/'.join(map(str, repeats))} repeat(s), "
         + (dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}")
+        + (
+            "; rows marked (on ...) were measured on that CPU"
+            if any(x.get("machine", m["cpu"]) != m["cpu"] for x in models)
+            else ""
+        )
     )
 
 
-def model_cell(key: str, model: dict) -> str:
-    """The model's name, and when the committed file is not the one the row ran."""
+def model_cell(key: str, model: dict, machine: str | None = None) -> str:
+    """The model's name, the CPU it ran on where that is not `machine` (the one the
+    results were last measured on), and when the committed file is not the one the row
+    ran."""
     recorded, when = model.get("file_sha256"), model.get("date")
     if model.get("overrides"):
         key += (
@@ -862,6 +869,8 @@ def model_cell(key: str, model: dict) -> str:
         )
     if model.get("dtype"):
         key += f" (in {model['dtype']})"
+    if machine and model.get("machine") and model["machine"] != machine:
+        key += f" (on {model['machine']})"
     if recorded and recorded == current_sha(key.split(" ")[0]):
         return key
     if recorded:
@@ -926,7 +935,7 @@ def ratio_table(results: dict, other: str) -> list[str]:
             cells.append(target(ratios, other))
         else:
             cells = ["-"] * len(README_METRICS) + [not_compared(results, key, other)]
-        cell = model_cell(key, results["models"][key])
+        cell = model_cell(key, results["models"][key], results["machine"]["cpu"])
         rows.append(f"| {cell} | " + " | ".join(cells) + " |")
     return rows if len(rows) > 2 else []
 
@@ -942,7 +951,14 @@ def absolute_table(results: dict) -> list[str]:
             for metric, _, unit, _ in METRICS:
                 s = stats.get(metric)
                 cells.append(fmt_spread(s, unit))
-            rows.append(f"| {key} | {IMPL_LABELS[impl]} | " + " | ".join(cells) + " |")
+            other = results["models"].get(key, {}).get("machine")
+            if other and other != results["machine"]["cpu"]:
+                key_cell = f"{key} (on {other})"
+            else:
+                key_cell = key
+            rows.append(
+                f"| {key_cell} | {IMPL_LABELS[impl]} | " + " | ".join(cells) + " |"
+            )
     return rows
 
 
@@ -1320,18 +1336,20 @@ def benchmark_models(
 
 def merged(old: dict | None, new: dict) -> dict:
     """`new`'s models replace theirs in `old` (entries and runs) and the others stay as
-    they were measured; summary and ratios over all of them. Results on another machine
-    or under other settings are not comparable: `new` alone."""
+    they were measured; summary and ratios over all of them. Results under other
+    settings or on another kind of device are not comparable: `new` alone. A row kept
+    from another CPU keeps its ratios (each measured side by side in its own run) and
+    names that CPU."""
     if not old or any(
         old["settings"].get(k) != new["settings"].get(k) for k in COMPARABLE
     ):
         return new
-    if any(old["machine"].get(k) != new["machine"].get(k) for k in ("cpu", "device")):
+    if old["machine"].get("device") != new["machine"].get("device"):
         return new
     ran = set(new["models"])
     models = {
         **{
-            k: {"date": old["date"], **m}
+            k: {"date": old["date"], "machine": old["machine"]["cpu"], **m}
             for k, m in old["models"].items()
             if k not in ran
         },

@@ -99,6 +99,23 @@ def test_results_under_other_settings_are_not_merged():
     assert sorted(bench.merged(copy.deepcopy(OLD), new)["models"]) == ["qwen3"]
 
 
+def test_rows_from_another_cpu_are_kept_and_name_it():
+    """Each ratio is measured side by side within one run, so a row from an earlier run
+    on another CPU stays, named; another kind of device starts afresh."""
+    new = results("2026-12-06", {"qwen3": {"native_class": "x:Qwen3"}}, [])
+    new["machine"] = {**MACHINE, "cpu": "Intel Xeon"}
+    out = bench.merged(copy.deepcopy(OLD), new)
+    assert sorted(out["models"]) == ["llama", "qwen3"]
+    assert out["models"]["llama"]["machine"] == "AMD EPYC"
+    rows = bench.ratio_table(out, "native")
+    assert any(r.startswith("| llama (on AMD EPYC) ") for r in rows), rows
+    assert any(r.startswith("| qwen3 |") for r in rows), rows
+    assert "rows marked (on ...) were measured on that CPU" in bench.machine_line(out)
+    gpu = copy.deepcopy(new)
+    gpu["machine"] = {**MACHINE, "device": "cuda", "gpu": "H100"}
+    assert sorted(bench.merged(copy.deepcopy(OLD), gpu)["models"]) == ["qwen3"]
+
+
 def test_every_model_has_a_row_saying_why_it_is_not_compared():
     models = {
         "bloom": {"native_class": "x:Bloom"},

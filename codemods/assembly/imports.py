@@ -27,7 +27,7 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "tensor_model_parallel_all_gather",
         ),
     ),
-    ("vllm.model_executor.layers.activation", ("get_act_and_mul_fn",)),
+    ("vllm.model_executor.layers.activation", ("get_act_and_mul_fn", "get_act_fn")),
     (
         "vllm.model_executor.layers.attention",
         ("Attention", "Attention as VllmAttention"),
