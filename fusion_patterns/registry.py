@@ -7,10 +7,12 @@ proven norms), then the
 blocks inside a layer (a MoE block before a gated MLP, so a router is never taken for a
 gate, and before its experts alone, taken only where the block is not), then the attention whole (latent, then vLLM's own layout) before the merge of a
 copied attention's projections, vLLM's rope in a copied attention and vLLM's positions
-for a count from the cache, and the residual fold last.
+for a count from the cache, the residual fold, and the activations picked by name last
+(only in classes no pattern emits whole).
 """
 
 from .activation import Activation
+from .activation_names import ActivationNames
 from .cache_positions import CachePositions
 from .gated_delta_net import GatedDeltaNet
 from .glu import GLU
@@ -42,6 +44,8 @@ PATTERNS = (
     Rope(),
     CachePositions(),
     ResidualFold(),
+    # last: a class another pattern emits whole builds its activation its own way
+    ActivationNames(),
 )
 
 

@@ -24,9 +24,9 @@
 #   Fused: v_norm (Gemma4TextAttention) -> v_norm (RMSNorm, no weight)
 #   Fused: gate_up_proj + down_proj (Gemma4TextExperts) -> experts (FusedMoE, external routing: the block's own router picks the experts)
 #   Fused: gate_proj + up_proj (Gemma4TextMLP) -> gate_up_proj (MergedColumnParallelLinear)
+#   Fused: ACT2FN[config.hidden_activation] (Gemma4TextDecoderLayer) -> act_fn (act_fn(config.hidden_activation), vLLM's op for the 14 names one computes)
 #   Kept: embedding (Gemma4TextScaledWordEmbedding): copied from the source onto VocabParallelEmbedding (sharded over the vocabulary as vLLM's own)
 #   Unfused: module (Gemma4TextRotaryEmbedding): copied from the source
-#   Unfused: decoder layer (Gemma4TextDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (Gemma4TextRouter): copied from the source
 #   Unfused: attention (Gemma4TextAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
 #   Unfused: tensor parallel (Gemma4TextDecoderLayer): replicated: sharded over 2 ranks it fails (RuntimeError: The size of tensor a (128) must match the size of tensor b (256) at non-singleton dimension 2)
@@ -49,7 +49,7 @@ from transformers.activations import ACT2FN
 
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
-from vllm.model_executor.layers.activation import get_act_and_mul_fn
+from vllm.model_executor.layers.activation import get_act_and_mul_fn, get_act_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -104,6 +104,33 @@ def vllm_attention(
         value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
     out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
     return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
+
+
+# transformers' activation names -> the vLLM activation computing the same function
+# (within fp32 rounding on inputs from -30 to 30, proven when this file was generated)
+VLLM_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_accurate": "gelu_pytorch_tanh",
+    "gelu_fast": "gelu_pytorch_tanh",
+    "gelu_new": "gelu_pytorch_tanh",
+    "gelu_python": "gelu",
+    "gelu_python_tanh": "gelu_pytorch_tanh",
+    "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+    "quick_gelu": "quick_gelu",
+    "relu": "relu",
+    "relu2": "relu2",
+    "sigmoid": "sigmoid",
+    "silu": "silu",
+    "swish": "silu",
+    "tanh": "tanh",
+}
+
+
+def act_fn(name) -> nn.Module:
+    """transformers' `ACT2FN[name]`, as vLLM's op where one computes its function."""
+    if isinstance(name, str) and name in VLLM_ACTIVATIONS:
+        return get_act_fn(VLLM_ACTIVATIONS[name])
+    return ACT2FN[name]
 
 
 def rotate_half(x):
@@ -546,7 +573,7 @@ class Gemma4TextDecoderLayer(nn.Module):
 
         self.hidden_size_per_layer_input = config.hidden_size_per_layer_input
         if self.hidden_size_per_layer_input:
-            self.act_fn = ACT2FN[config.hidden_activation]
+            self.act_fn = act_fn(config.hidden_activation)
             self.per_layer_input_gate = ReplicatedLinear(
                 self.hidden_size,
                 self.hidden_size_per_layer_input,

@@ -9,6 +9,7 @@
 # ======================================================================================
 # Fusion report:
 #   Fused: query_key_value (GPTNeoXAttention) -> query_key_value (QKVParallelLinear, packed per head in the checkpoint, reordered at load)
+#   Fused: ACT2FN[config.hidden_act] (GPTNeoXMLP) -> act (act_fn(config.hidden_act), vLLM's op for the 14 names one computes)
 #   Unfused: decoder layer (GPTNeoXLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (GPTNeoXMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Refused: gate/up projections (GPTNeoXMLP): forward has no `down(act(gate(x)) * up(x))` product
@@ -29,6 +30,7 @@ from transformers.core_model_loading import WeightRenaming
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -58,6 +60,32 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
+# transformers' activation names -> the vLLM activation computing the same function
+# (within fp32 rounding on inputs from -30 to 30, proven when this file was generated)
+VLLM_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_accurate": "gelu_pytorch_tanh",
+    "gelu_fast": "gelu_pytorch_tanh",
+    "gelu_new": "gelu_pytorch_tanh",
+    "gelu_python": "gelu",
+    "gelu_python_tanh": "gelu_pytorch_tanh",
+    "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+    "quick_gelu": "quick_gelu",
+    "relu": "relu",
+    "relu2": "relu2",
+    "sigmoid": "sigmoid",
+    "silu": "silu",
+    "swish": "silu",
+    "tanh": "tanh",
+}
+
+
+def act_fn(name) -> nn.Module:
+    """transformers' `ACT2FN[name]`, as vLLM's op where one computes its function."""
+    if isinstance(name, str) and name in VLLM_ACTIVATIONS:
+        return get_act_fn(VLLM_ACTIVATIONS[name])
+    return ACT2FN[name]
+
 
 class GPTNeoXMLP(nn.Module):
     def __init__(
@@ -80,7 +108,7 @@ class GPTNeoXMLP(nn.Module):
             prefix=f"{prefix}.dense_4h_to_h",
             return_bias=False,
         )
-        self.act = ACT2FN[config.hidden_act]
+        self.act = act_fn(config.hidden_act)
 
     def forward(self, hidden_states):
         hidden_states = self.dense_h_to_4h(hidden_states)

@@ -8,6 +8,7 @@
 # architecture:  GeneratedGPTJForCausalLM -> GPTJForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: ACT2FN[config.activation_function] (GPTJMLP) -> act (act_fn(config.activation_function), vLLM's op for the 14 names one computes)
 #   Unfused: decoder layer (GPTJBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (GPTJMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (GPTJAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5)
@@ -29,6 +30,7 @@ from transformers.activations import ACT2FN
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -79,6 +81,33 @@ def vllm_attention_heads(
     ]
     out = attn(*flat)
     return out.view(tokens, -1, query.shape[-1])[..., :size_v].transpose(0, 1)[None]
+
+
+# transformers' activation names -> the vLLM activation computing the same function
+# (within fp32 rounding on inputs from -30 to 30, proven when this file was generated)
+VLLM_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_accurate": "gelu_pytorch_tanh",
+    "gelu_fast": "gelu_pytorch_tanh",
+    "gelu_new": "gelu_pytorch_tanh",
+    "gelu_python": "gelu",
+    "gelu_python_tanh": "gelu_pytorch_tanh",
+    "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+    "quick_gelu": "quick_gelu",
+    "relu": "relu",
+    "relu2": "relu2",
+    "sigmoid": "sigmoid",
+    "silu": "silu",
+    "swish": "silu",
+    "tanh": "tanh",
+}
+
+
+def act_fn(name) -> nn.Module:
+    """transformers' `ACT2FN[name]`, as vLLM's op where one computes its function."""
+    if isinstance(name, str) and name in VLLM_ACTIVATIONS:
+        return get_act_fn(VLLM_ACTIVATIONS[name])
+    return ACT2FN[name]
 
 
 logger = logging.get_logger(__name__)
@@ -343,7 +372,7 @@ class GPTJMLP(nn.Module):
             return_bias=False,
         )
 
-        self.act = ACT2FN[config.activation_function]
+        self.act = act_fn(config.activation_function)
         self.dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, hidden_states: torch.FloatTensor | None) -> torch.FloatTensor:

@@ -13,6 +13,7 @@
 #   Fused: post_attention_layernorm (GraniteMoeSWADecoderLayer) -> post_attention_layernorm (RMSNorm)
 #   Fused: gate_up_proj + down_proj (GraniteMoeSWAExperts) -> experts (FusedMoE, external routing: the block's own router picks the experts, in self.block_sparse_moe.experts)
 #   Fused: q_proj + k_proj + v_proj (GraniteMoeSWAAttention) -> qkv_proj (QKVParallelLinear)
+#   Fused: ACT2FN[config.hidden_act] (GraniteMoeSWAMLP) -> activation (act_fn(config.hidden_act), vLLM's op for the 14 names one computes)
 #   Unfused: module (GraniteMoeSWARotaryEmbedding): copied from the source
 #   Unfused: decoder layer (GraniteMoeSWADecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (GraniteMoeSWAMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
@@ -40,6 +41,7 @@ from transformers.activations import ACT2FN
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
+from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -96,6 +98,33 @@ def vllm_attention(
         value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
     out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
     return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
+
+
+# transformers' activation names -> the vLLM activation computing the same function
+# (within fp32 rounding on inputs from -30 to 30, proven when this file was generated)
+VLLM_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_accurate": "gelu_pytorch_tanh",
+    "gelu_fast": "gelu_pytorch_tanh",
+    "gelu_new": "gelu_pytorch_tanh",
+    "gelu_python": "gelu",
+    "gelu_python_tanh": "gelu_pytorch_tanh",
+    "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+    "quick_gelu": "quick_gelu",
+    "relu": "relu",
+    "relu2": "relu2",
+    "sigmoid": "sigmoid",
+    "silu": "silu",
+    "swish": "silu",
+    "tanh": "tanh",
+}
+
+
+def act_fn(name) -> nn.Module:
+    """transformers' `ACT2FN[name]`, as vLLM's op where one computes its function."""
+    if isinstance(name, str) and name in VLLM_ACTIVATIONS:
+        return get_act_fn(VLLM_ACTIVATIONS[name])
+    return ACT2FN[name]
 
 
 class GraniteMoeSWATopKRouter(nn.Module):
@@ -342,7 +371,7 @@ class GraniteMoeSWAMLP(nn.Module):
 
         self.input_size = config.hidden_size
         self.hidden_size = config.shared_intermediate_size
-        self.activation = ACT2FN[config.hidden_act]
+        self.activation = act_fn(config.hidden_act)
         self.input_linear = MergedColumnParallelLinear(
             self.input_size,
             [self.hidden_size] * 2,

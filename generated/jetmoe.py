@@ -12,6 +12,7 @@
 #   Fused: input_layernorm (JetMoeDecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: post_attention_layernorm (JetMoeDecoderLayer) -> post_attention_layernorm (RMSNorm)
 #   Fused: apply_rotary_pos_emb (JetMoeAttention) -> rotary_emb (get_rope, NeoX halves)
+#   Fused: ACT2FN[config.activation_function] (JetMoeMoE) -> activation (act_fn(config.activation_function), vLLM's op for the 14 names one computes)
 #   Unfused: decoder layer (JetMoeDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (JetMoeAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling); its keys and values are broadcast from 2 to 4 heads before it and cached as broadcast (2x the KV cache of the grouped layout)
 #   Unfused: module (JetMoeMoA): copied from the source
@@ -38,6 +39,7 @@ from transformers.activations import ACT2FN
 
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
+from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
@@ -81,6 +83,33 @@ def vllm_attention(
         value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
     out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
     return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
+
+
+# transformers' activation names -> the vLLM activation computing the same function
+# (within fp32 rounding on inputs from -30 to 30, proven when this file was generated)
+VLLM_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_accurate": "gelu_pytorch_tanh",
+    "gelu_fast": "gelu_pytorch_tanh",
+    "gelu_new": "gelu_pytorch_tanh",
+    "gelu_python": "gelu",
+    "gelu_python_tanh": "gelu_pytorch_tanh",
+    "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+    "quick_gelu": "quick_gelu",
+    "relu": "relu",
+    "relu2": "relu2",
+    "sigmoid": "sigmoid",
+    "silu": "silu",
+    "swish": "silu",
+    "tanh": "tanh",
+}
+
+
+def act_fn(name) -> nn.Module:
+    """transformers' `ACT2FN[name]`, as vLLM's op where one computes its function."""
+    if isinstance(name, str) and name in VLLM_ACTIVATIONS:
+        return get_act_fn(VLLM_ACTIVATIONS[name])
+    return ACT2FN[name]
 
 
 logger = logging.get_logger(__name__)
@@ -193,7 +222,7 @@ class JetMoeMoE(nn.Module):
 
         self.input_size = config.hidden_size
         self.hidden_size = config.intermediate_size
-        self.activation = ACT2FN[config.activation_function]
+        self.activation = act_fn(config.activation_function)
         self.bias = torch.nn.Parameter(torch.empty(self.input_size))
         self.input_linear = JetMoeParallelExperts(
             config.num_local_experts, self.input_size, self.hidden_size * 2

@@ -12,6 +12,8 @@
 #   Fused: norm_f (NemotronHModel) -> norm_f (RMSNorm, weight in fp32, before the cast back)
 #   Fused: norm (NemotronHBlock) -> norm (RMSNorm, weight in fp32, before the cast back)
 #   Fused: q_proj + k_proj + v_proj (NemotronHAttention) -> qkv_proj (QKVParallelLinear)
+#   Fused: ACT2FN[config.mlp_hidden_act] (NemotronHMLP) -> act_fn (act_fn(config.mlp_hidden_act), vLLM's op for the 14 names one computes)
+#   Fused: ACT2FN[config.mlp_hidden_act] (NemotronHExperts) -> act_fn (act_fn(config.mlp_hidden_act), vLLM's op for the 14 names one computes)
 #   Unfused: decoder layer (NemotronHBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (NemotronHMoE): copied from the source (no experts class matched)
 #   Unfused: module (NemotronHMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
@@ -44,6 +46,7 @@ from transformers.core_model_loading import WeightRenaming
 
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
+from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
@@ -138,6 +141,33 @@ class MambaMixer2WithTimeStepLimit(MambaMixer2):
         super().conv_ssm_forward(projected_states, output)
 
 
+# transformers' activation names -> the vLLM activation computing the same function
+# (within fp32 rounding on inputs from -30 to 30, proven when this file was generated)
+VLLM_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_accurate": "gelu_pytorch_tanh",
+    "gelu_fast": "gelu_pytorch_tanh",
+    "gelu_new": "gelu_pytorch_tanh",
+    "gelu_python": "gelu",
+    "gelu_python_tanh": "gelu_pytorch_tanh",
+    "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+    "quick_gelu": "quick_gelu",
+    "relu": "relu",
+    "relu2": "relu2",
+    "sigmoid": "sigmoid",
+    "silu": "silu",
+    "swish": "silu",
+    "tanh": "tanh",
+}
+
+
+def act_fn(name) -> nn.Module:
+    """transformers' `ACT2FN[name]`, as vLLM's op where one computes its function."""
+    if isinstance(name, str) and name in VLLM_ACTIVATIONS:
+        return get_act_fn(VLLM_ACTIVATIONS[name])
+    return ACT2FN[name]
+
+
 class NemotronHMLP(nn.Module):
     def __init__(
         self,
@@ -167,7 +197,7 @@ class NemotronHMLP(nn.Module):
             prefix=f"{prefix}.down_proj",
             return_bias=False,
         )
-        self.act_fn = ACT2FN[config.mlp_hidden_act]
+        self.act_fn = act_fn(config.mlp_hidden_act)
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.up_proj(x)))
@@ -204,7 +234,7 @@ class NemotronHExperts(nn.Module):
             torch.empty(self.num_experts, input_dim, self.intermediate_dim)
         )
 
-        self.act_fn = ACT2FN[config.mlp_hidden_act]
+        self.act_fn = act_fn(config.mlp_hidden_act)
 
     def forward(
         self,

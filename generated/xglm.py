@@ -8,7 +8,7 @@
 # architecture:  GeneratedXGLMForCausalLM -> XGLMForCausalLM
 # ======================================================================================
 # Fusion report:
-#   Unfused: decoder layer (XGLMDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
+#   Fused: ACT2FN[config.activation_function] (XGLMDecoderLayer) -> activation_fn (act_fn(config.activation_function), vLLM's op for the 14 names one computes)
 #   Unfused: attention (XGLMAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=1.0)
 #   Unfused: module (XGLMSinusoidalPositionalEmbedding): copied from the source
 #   Kept: embedding (XGLMScaledWordEmbedding): copied from the source onto VocabParallelEmbedding (sharded over the vocabulary as vLLM's own)
@@ -29,6 +29,7 @@ from transformers.activations import ACT2FN
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -77,6 +78,33 @@ def vllm_attention_heads(
     ]
     out = attn(*flat)
     return out.view(tokens, -1, query.shape[-1])[..., :size_v].transpose(0, 1)[None]
+
+
+# transformers' activation names -> the vLLM activation computing the same function
+# (within fp32 rounding on inputs from -30 to 30, proven when this file was generated)
+VLLM_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_accurate": "gelu_pytorch_tanh",
+    "gelu_fast": "gelu_pytorch_tanh",
+    "gelu_new": "gelu_pytorch_tanh",
+    "gelu_python": "gelu",
+    "gelu_python_tanh": "gelu_pytorch_tanh",
+    "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+    "quick_gelu": "quick_gelu",
+    "relu": "relu",
+    "relu2": "relu2",
+    "sigmoid": "sigmoid",
+    "silu": "silu",
+    "swish": "silu",
+    "tanh": "tanh",
+}
+
+
+def act_fn(name) -> nn.Module:
+    """transformers' `ACT2FN[name]`, as vLLM's op where one computes its function."""
+    if isinstance(name, str) and name in VLLM_ACTIVATIONS:
+        return get_act_fn(VLLM_ACTIVATIONS[name])
+    return ACT2FN[name]
 
 
 # Copied from transformers.models.bart.modeling_bart.BartScaledWordEmbedding with Bart->XGLM
@@ -341,7 +369,7 @@ class XGLMDecoderLayer(nn.Module):
             prefix=f"{prefix}.self_attn",
         )
         self.dropout = config.dropout
-        self.activation_fn = ACT2FN[config.activation_function]
+        self.activation_fn = act_fn(config.activation_function)
         self.activation_dropout = config.activation_dropout
 
         if config.add_cross_attention:

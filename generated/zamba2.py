@@ -15,6 +15,7 @@
 #   Fused: input_layernorm (Zamba2AttentionDecoderLayer) -> input_layernorm (RMSNorm)
 #   Fused: pre_ff_layernorm (Zamba2AttentionDecoderLayer) -> pre_ff_layernorm (RMSNorm)
 #   Fused: apply_rotary_pos_emb (Zamba2Attention) -> rotary_emb (get_rope, NeoX halves)
+#   Fused: ACT2FN[config.hidden_act] (Zamba2MLP) -> act_fn (act_fn(config.hidden_act), vLLM's op for the 14 names one computes)
 #   Unfused: module (Zamba2RotaryEmbedding): copied from the source
 #   Unfused: decoder layer (Zamba2MambaDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: decoder layer (Zamba2HybridLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
@@ -42,6 +43,7 @@ from transformers.activations import ACT2FN
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
+from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -175,6 +177,33 @@ class MambaMixer2WithTimeStepLimit(MambaMixer2):
                 dim=-1,
             )
         super().conv_ssm_forward(projected_states, output)
+
+
+# transformers' activation names -> the vLLM activation computing the same function
+# (within fp32 rounding on inputs from -30 to 30, proven when this file was generated)
+VLLM_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_accurate": "gelu_pytorch_tanh",
+    "gelu_fast": "gelu_pytorch_tanh",
+    "gelu_new": "gelu_pytorch_tanh",
+    "gelu_python": "gelu",
+    "gelu_python_tanh": "gelu_pytorch_tanh",
+    "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+    "quick_gelu": "quick_gelu",
+    "relu": "relu",
+    "relu2": "relu2",
+    "sigmoid": "sigmoid",
+    "silu": "silu",
+    "swish": "silu",
+    "tanh": "tanh",
+}
+
+
+def act_fn(name) -> nn.Module:
+    """transformers' `ACT2FN[name]`, as vLLM's op where one computes its function."""
+    if isinstance(name, str) and name in VLLM_ACTIVATIONS:
+        return get_act_fn(VLLM_ACTIVATIONS[name])
+    return ACT2FN[name]
 
 
 logger = logging.get_logger(__name__)
@@ -476,7 +505,7 @@ class Zamba2MLP(nn.Module):
             prefix=f"{prefix}.down_proj",
             return_bias=False,
         )
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_fn = act_fn(config.hidden_act)
 
         self.gate_up_proj_adapter_list = nn.ModuleList([])
         for i in range(self.num_fwd_mem_blocks):

@@ -105,3 +105,28 @@ def test_a_stateless_module_that_is_not_element_wise_is_no_candidate():
     over a row: not an activation, and not said to be one."""
     norm = nn.LayerNorm(64, elementwise_affine=False)
     assert activation.prove(_NoCalls(), _info("Norm"), norm) is None
+
+
+def test_names_map_to_the_vllm_op_of_the_same_function():
+    from fusion_patterns.activation_names import vllm_names
+
+    names = dict(vllm_names())
+    # GPT-2's seven-op tanh GELU: torch's one-kernel tanh GELU, never the erf form
+    assert names["gelu_new"] == names["gelu_fast"] == "gelu_pytorch_tanh"
+    assert names["gelu"] == names["gelu_python"] == "gelu"
+    assert names["swish"] == "silu" and names["relu"] == "relu"
+    # a clipped GELU, a leaky ReLU, a learned one: no vLLM op computes them
+    for own in ("gelu_10", "leaky_relu", "prelu", "xielu", "mish"):
+        assert own not in names
+
+
+def test_gpt2_builds_its_activation_by_name_through_vllms_ops():
+    plan, text = generate("modeling_gpt2.py")
+    assert "self.act = act_fn(config.activation_function)" in text
+    assert "= ACT2FN[" not in text
+    assert '    "gelu_new": "gelu_pytorch_tanh",\n' in text
+    assert "def act_fn(name) -> nn.Module:" in text
+    assert (
+        "Fused: ACT2FN[config.activation_function] (GPT2MLP) -> act "
+        "(act_fn(config.activation_function), vLLM's op for the 14 names one computes)"
+    ) in plan.report()

@@ -13,7 +13,9 @@ from codemods.exact_reference import ExactComparison
 
 def test_the_exact_run_bounds_vllm_by_what_transformers_fp32_reaches():
     assert ExactComparison(to_exact=1.1e-4, reference_error=2.1e-4).holds(1e-4)
-    assert not ExactComparison(to_exact=1.7e-3, reference_error=1.6e-3).holds(1e-4)
+    # the same checkpoint on another CPU: transformers' own run landed closer
+    assert ExactComparison(to_exact=1.2e-4, reference_error=8.4e-5).holds(1e-4)
+    assert not ExactComparison(to_exact=3.5e-3, reference_error=1.6e-3).holds(1e-4)
     assert ExactComparison(to_exact=9e-5, reference_error=1e-6).holds(1e-4)
 
 
