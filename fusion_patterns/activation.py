@@ -87,19 +87,27 @@ def _elementwise(instance, x) -> bool:
     return torch.equal(base[1:], moved[1:])
 
 
-def _inputs(model, instance):
+def random_inputs() -> list:
+    """The inputs every activation proof runs on: random at three scales, and -30..30."""
     import torch
 
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(4096, generator=gen) * s for s in SCALES]
     xs.append(torch.linspace(-30.0, 30.0, 4001))
+    return xs
+
+
+def _inputs(model, instance):
+    import torch
+
+    xs = random_inputs()
     call = model.call(instance)
     if call is not None and call[0] and isinstance(call[0][0], torch.Tensor):
         xs.append(call[0][0].detach().float())
     return xs
 
 
-def _difference(instance, vllm_op, xs) -> float:
+def difference(instance, vllm_op, xs) -> float:
     import torch
 
     worst = 0.0
@@ -128,7 +136,7 @@ def prove(model, info: ClassInfo, instance) -> ActivationSpec | Refusal | None:
         return None
     closest = (float("inf"), "")
     for name in CANDIDATES:
-        err = _difference(instance, get_act_fn(name), xs)
+        err = difference(instance, get_act_fn(name), xs)
         if err <= RTOL:
             return ActivationSpec(info.name, name, err)
         closest = min(closest, (err, name))

@@ -21,7 +21,7 @@ import io
 import libcst as cst
 import libcst.matchers as m
 
-from .activation import CANDIDATES, RTOL, SCALES
+from .activation import CANDIDATES, RTOL, difference, random_inputs
 from .base import Claim, FusionRecord, Pattern, REWRITE, code, dotted_name
 
 NAME = "activation by name"
@@ -34,14 +34,11 @@ LOOKUP = m.Subscript(value=m.Name("ACT2FN")) | m.Call(
 def vllm_names() -> tuple[tuple[str, str], ...]:
     """(transformers' name, vLLM's activation computing its function) for every name
     transformers knows whose class holds no parameters and one of vLLM's ops matches."""
-    import torch
     import vllm._custom_ops  # noqa: F401 - registers the kernels vLLM's ops call
     from transformers.activations import ACT2CLS, ACT2FN
     from vllm.model_executor.layers.activation import get_act_fn
 
-    gen = torch.Generator().manual_seed(0)
-    xs = [torch.randn(4096, generator=gen) * s for s in SCALES]
-    xs.append(torch.linspace(-30.0, 30.0, 4001))
+    xs = random_inputs()
     ops = {name: get_act_fn(name) for name in CANDIDATES}
     out = []
     for name in sorted(ACT2CLS):
@@ -53,24 +50,10 @@ def vllm_names() -> tuple[tuple[str, str], ...]:
         if any(True for _ in theirs.parameters()):
             continue  # learned (PReLU, xIELU): not a fixed function
         for vllm_name in CANDIDATES:
-            if _within(theirs, ops[vllm_name], xs):
+            if difference(theirs, ops[vllm_name], xs) <= RTOL:
                 out.append((name, vllm_name))
                 break
     return tuple(out)
-
-
-def _within(theirs, ours, xs) -> bool:
-    import torch
-
-    with torch.no_grad():
-        for x in xs:
-            want, got = theirs(x.clone()).float(), ours(x.clone()).float()
-            if got.shape != want.shape:
-                return False
-            err = ((got - want).abs() / (want.abs() + x.abs() + 1)).max().item()
-            if not err <= RTOL:  # NaN too
-                return False
-    return True
 
 
 def helper() -> str:
