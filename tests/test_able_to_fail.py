@@ -184,8 +184,8 @@ MUTATIONS += [
     (
         "bloom",
         "own attention's ALiBi dropped",
-        "alibi_slopes=alibi_slopes(self.num_heads),",
-        "",
+        "alibi_slopes=alibi_slopes(self.num_heads * tp_size)[",
+        "alibi_slopes=None and alibi_slopes(self.num_heads * tp_size)[",
     ),
     (
         "gpt_neo",

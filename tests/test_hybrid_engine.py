@@ -122,11 +122,11 @@ def test_zamba_2_shared_blocks_over_two_pipeline_stages():
     assert out["pp"] == 2 and out["tokens_equal"], out
     assert "use_shared_attention_adapter" in out["features"]
     assert {"Zamba2HybridLayer", "Zamba2MambaDecoderLayer"} <= set(out["kinds"])
-    # an ill-conditioned tiny model: vLLM is no further from transformers' float64 run
-    # than transformers' own fp32 run is
+    # an ill-conditioned tiny model: vLLM within twice transformers' own fp32 distance
+    # from its float64 run (the bf16 floor's factor: kernels round in other places)
     exact = out.get("exact")
     if exact:
-        assert exact["to_exact"] <= max(1e-4, exact["reference_error"]), out
+        assert exact["to_exact"] <= max(1e-4, 2 * exact["reference_error"]), out
 
 
 def test_a_per_layer_theta_with_nope_layers():
