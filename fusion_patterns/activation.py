@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from .base import CONSTRUCTION, Claim, ClassInfo, FusionRecord, Pattern, Refusal
-from .base import dotted_name
+from .base import CONSTRUCTION, Claim, ClassInfo, Pattern, Refusal
+from .base import construction_records, proven_classes, takes_one_argument
 
 NAME = "activation"
 # vLLM's activation names (`get_act_fn`), those one kernel on every platform first
@@ -59,13 +59,7 @@ def _candidate(info: ClassInfo, instance) -> bool:
         return False
     if any(True for _ in instance.children()):
         return False
-    params = info.forward.params
-    return (
-        len(params.params) == 2
-        and params.star_arg is cst.MaybeSentinel.DEFAULT
-        and not params.kwonly_params
-        and params.star_kwarg is None
-    )
+    return takes_one_argument(info.forward)
 
 
 def _elementwise(instance, x) -> bool:
@@ -156,37 +150,19 @@ class Activation(Pattern):
     name = NAME
 
     def claim(self, model):
-        for n in model.roles.wanted:
-            info = model.classes[n]
-            if model.claimed_whole(n) or n in model.roles.attention:
-                continue
-            instance = model.first(n)
-            if not _candidate(info, instance):
-                continue
-            try:
-                result = prove(model, info, instance)
-            except Exception as exc:  # noqa: BLE001 - a proof that cannot run: copied
-                yield Refusal(NAME, n, "activation", f"the proof cannot run ({exc})")
-                continue
-            if result is None:
-                continue
+        skip = model.roles.attention
+        found = proven_classes(model, NAME, "activation", _candidate, prove, skip)
+        for n, result in found:
             if isinstance(result, Refusal):
                 yield result
                 continue
-            records = [
-                FusionRecord(
-                    pattern=NAME,
-                    source_class=owner.name,
-                    sources=(n,),
-                    target=attr,
-                    vllm_class=f'get_act_fn("{result.vllm_name}")',
-                    detail=f"within {result.error:.0e} of the source",
-                )
-                for owner in (model.classes[o] for o in model.roles.wanted)
-                for attr in owner.attrs
-                for call in owner.constructions(attr)
-                if dotted_name(call.func) == n
-            ]
+            records = construction_records(
+                model,
+                n,
+                NAME,
+                f'get_act_fn("{result.vllm_name}")',
+                f"within {result.error:.0e} of the source",
+            )
             yield Claim(self, n, result, CONSTRUCTION, records=records)
 
     def construction(self, claim: Claim, call: cst.Call, path: str | None) -> str:

@@ -248,6 +248,58 @@ def with_positions_param(forward: cst.FunctionDef) -> cst.FunctionDef:
     return forward.with_changes(params=params)
 
 
+def takes_one_argument(forward: cst.FunctionDef | None) -> bool:
+    """`forward(self, x)`: one positional argument, nothing else."""
+    if forward is None:
+        return False
+    params = forward.params
+    return (
+        len(params.params) == 2
+        and params.star_arg is cst.MaybeSentinel.DEFAULT
+        and not params.kwonly_params
+        and params.star_kwarg is None
+    )
+
+
+def proven_classes(model, pattern: str, what: str, candidate, prove, skip=()):
+    """(class, what `prove(model, info, instance)` returned: a spec or a Refusal) for
+    each class of the model `candidate(info, instance)` accepts and no pattern claimed
+    whole; a proof that raises is a Refusal, one returning None is no candidate."""
+    for n in model.roles.wanted:
+        info = model.classes[n]
+        if model.claimed_whole(n) or n in skip:
+            continue
+        instance = model.first(n)
+        if not candidate(info, instance):
+            continue
+        try:
+            result = prove(model, info, instance)
+        except Exception as exc:  # noqa: BLE001 - a proof that cannot run: copied
+            result = Refusal(pattern, n, what, f"the proof cannot run ({exc})")
+        if result is not None:
+            yield n, result
+
+
+def construction_records(
+    model, cls: str, pattern: str, vllm_class: str, detail: str
+) -> list[FusionRecord]:
+    """One record per `self.<attr> = <cls>(...)` in the classes the model copies."""
+    return [
+        FusionRecord(
+            pattern=pattern,
+            source_class=owner.name,
+            sources=(cls,),
+            target=attr,
+            vllm_class=vllm_class,
+            detail=detail,
+        )
+        for owner in (model.classes[o] for o in model.roles.wanted)
+        for attr in owner.attrs
+        for call in owner.constructions(attr)
+        if dotted_name(call.func) == cls
+    ]
+
+
 def is_linear(info: ClassInfo, attr: str) -> bool:
     return info.constructed_class(attr) in ("nn.Linear", "torch.nn.Linear", "Linear")
 
@@ -301,6 +353,9 @@ class Pattern:
     whole_on_ranks = ""
     # its CONSTRUCTION is a vLLM layer keyed by its module path: builders take `prefix`
     keyed_by_prefix = False
+    # its CONSTRUCTION computes what `nn.Linear` with the same arguments computes: the
+    # copy builds it as it builds `nn.Linear` (a vLLM linear, sharded where proven)
+    builds_linear = False
     # (dtype, why): vLLM's CPU build runs what it emits in this dtype only
     cpu_dtype: tuple[str, str] | None = None
 

@@ -8,14 +8,16 @@
 # architecture:  GeneratedFalconForCausalLM -> FalconForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: FalconLinear (FalconMLP) -> dense_h_to_4h (a vLLM linear, as nn.Linear, its forward is F.linear, exactly)
+#   Fused: FalconLinear (FalconMLP) -> dense_4h_to_h (a vLLM linear, as nn.Linear, its forward is F.linear, exactly)
+#   Fused: FalconLinear (FalconAttention) -> query_key_value (a vLLM linear, as nn.Linear, its forward is F.linear, exactly)
+#   Fused: FalconLinear (FalconAttention) -> dense (a vLLM linear, as nn.Linear, its forward is F.linear, exactly)
 #   Fused: get_activation(config.activation) (FalconMLP) -> act (act_fn(config.activation), vLLM's op for the 14 names one computes)
 #   Unfused: module (FalconRotaryEmbedding): copied from the source
 #   Unfused: decoder layer (FalconDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (FalconMLP): copied from the source
-#   Unfused: module (FalconLinear): copied from the source
 #   Unfused: attention (FalconAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5); its keys and values are broadcast from 2 to 4 heads before it and cached as broadcast (2x the KV cache of the grouped layout)
-#   Unfused: tensor parallel (FalconMLP): replicated: self.dense_h_to_4h (FalconLinear), self.dense_4h_to_h (FalconLinear) the file keeps as the source builds it, not a vLLM linear it can shard
-#   Unfused: tensor parallel (FalconAttention): replicated: self.query_key_value (FalconLinear), self.dense (FalconLinear) the file keeps as the source builds it, not a vLLM linear it can shard
+#   Unfused: tensor parallel (FalconAttention): replicated: sharded over 2 ranks it fails (RuntimeError: shape '[1, 40, -1, 3, 80]' is invalid for input of size 12800)
 #   Refused: rotary embedding (FalconAttention): the class computes attention itself (its core becomes vLLM's attention); vLLM's rope is not applied inside such a class
 #   Refused: residual add + norm (FalconDecoderLayer): forward does not end with `return <hidden states>`
 # ======================================================================================
@@ -36,6 +38,11 @@ from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -119,16 +126,6 @@ def act_fn(name) -> nn.Module:
 
 
 logger = logging.get_logger(__name__)
-
-
-# NOTE(Hesslow): Unfortunately we did not fuse matmul and bias during training, this means that there's one additional quantization to bfloat16 between the operations.
-# In order not to degrade the quality of our HF-port, we keep these characteristics in the final model.
-class FalconLinear(nn.Linear):
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        hidden_states = input @ self.weight.T
-        if self.bias is None:
-            return hidden_states
-        return hidden_states + self.bias
 
 
 # Copied from transformers.models.llama.modeling_llama.rotate_half
@@ -328,12 +325,24 @@ class FalconAttention(nn.Module):
             qkv_out_dim = self.hidden_size + 2 * self.head_dim
         else:
             qkv_out_dim = 3 * self.hidden_size
-        self.query_key_value = FalconLinear(
-            self.hidden_size, qkv_out_dim, bias=config.bias
+        self.query_key_value = ReplicatedLinear(
+            self.hidden_size,
+            qkv_out_dim,
+            bias=config.bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.query_key_value",
+            return_bias=False,
         )
         self.new_decoder_architecture = config.new_decoder_architecture
         self.multi_query = config.multi_query
-        self.dense = FalconLinear(self.hidden_size, self.hidden_size, bias=config.bias)
+        self.dense = ReplicatedLinear(
+            self.hidden_size,
+            self.hidden_size,
+            bias=config.bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.dense",
+            return_bias=False,
+        )
         self.attention_dropout = nn.Dropout(config.attention_dropout)
         self.num_kv_heads = (
             config.num_kv_heads
@@ -500,16 +509,28 @@ class FalconAttention(nn.Module):
 
 
 class FalconMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(
+        self, config, quant_config: QuantizationConfig | None = None, prefix: str = ""
+    ):
         super().__init__()
         hidden_size = config.hidden_size
 
-        self.dense_h_to_4h = FalconLinear(
-            hidden_size, config.ffn_hidden_size, bias=config.bias
+        self.dense_h_to_4h = ColumnParallelLinear(
+            hidden_size,
+            config.ffn_hidden_size,
+            bias=config.bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.dense_h_to_4h",
+            return_bias=False,
         )
         self.act = act_fn(config.activation)
-        self.dense_4h_to_h = FalconLinear(
-            config.ffn_hidden_size, hidden_size, bias=config.bias
+        self.dense_4h_to_h = RowParallelLinear(
+            config.ffn_hidden_size,
+            hidden_size,
+            bias=config.bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.dense_4h_to_h",
+            return_bias=False,
         )
         self.hidden_dropout = config.hidden_dropout
 
@@ -537,7 +558,7 @@ class FalconDecoderLayer(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.self_attention",
         )
-        self.mlp = FalconMLP(config)
+        self.mlp = FalconMLP(config, quant_config=quant_config, prefix=f"{prefix}.mlp")
         self.hidden_dropout = config.hidden_dropout
         self.config = config
 

@@ -151,16 +151,20 @@ def test_an_attention_that_counts_all_heads_in_a_reshape_is_replicated(tmp_path)
 
 def test_linears_no_plan_shards_are_said_to_be_replicated():
     """Linears no plan can shard are held whole on each rank, a slow path under TP that
-    the report names with the reason: Falcon builds its own `nn.Linear` subclass, which
-    the file keeps (Qwen3's are all sharded; OPT, without a TP plan, by its dataflow;
-    BLOOM's weight reads sit on a branch its config decides: test_config_branches.py)."""
+    the report names with the reason: CodeGen's attention reshapes its packed q|v|k by
+    a count of groups the proof's ranks cannot split (Qwen3's are all sharded; OPT,
+    without a TP plan, by its dataflow; Falcon's own `nn.Linear` subclass is proven a
+    linear: test_linear_subclass.py; BLOOM's weight reads sit on a branch its config
+    decides: test_config_branches.py)."""
     from codemods.apply import generate
 
-    plan, text = generate("modeling_falcon.py")
+    plan, text = generate("modeling_codegen.py")
     lines = [u.describe() for u in plan.unfused if u.what == "tensor parallel"]
     assert any(
-        line.startswith("Unfused: tensor parallel (FalconAttention): replicated: ")
-        and "self.query_key_value (FalconLinear)" in line
+        line.startswith(
+            "Unfused: tensor parallel (CodeGenAttention): replicated: sharded over 2 "
+            "ranks it fails (RuntimeError: "
+        )
         for line in lines
     ), lines
     # and its heads are not divided over ranks its linears do not shard

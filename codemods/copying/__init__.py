@@ -74,13 +74,14 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
     # constructions that become a vLLM layer keyed by its path (a Mamba-2 mixer): their
     # builders take `prefix`
     keyed = {n for n, c in constructions.items() if c.pattern.keyed_by_prefix}
+    linear_classes = _linear_classes(model)
     ctx = Context(
         classes=classes,
         constructions=constructions,
         prefix_classes=prefix_classes(
             classes,
-            set(emitted) | keyed,
-            set(whole) | keyed,
+            set(emitted) | keyed | linear_classes,
+            set(whole) | keyed | linear_classes,
             roles.attention,
             roles.built,
         )
@@ -106,6 +107,7 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
             if c.kind == CLASS or c.pattern.rewrites_calls
         },
         positions=_need_positions(model),
+        linear_classes=linear_classes,
     )
     pieces: dict[str, str] = {}
     unfused: list[Unfused] = []
@@ -272,15 +274,25 @@ def _own(attrs: list[str], text: str) -> list[str]:
     ]
 
 
+def _linear_classes(model: Model) -> set[str]:
+    """The model's classes a claim proved to compute what `nn.Linear` does."""
+    return {
+        c.class_name
+        for c in model.claims
+        if c.kind == CONSTRUCTION and c.pattern.builds_linear
+    }
+
+
 def _not_vllm_linears(model: Model, cls: str, plan: dict[str, str]) -> str:
     """The sharded layers of `plan` that the copy does not build as vLLM linears (a
     subclass of nn.Linear with its own forward, a linear read as weights), as text."""
     info = model.classes[cls]
     built = {a: info.constructed_classes(a) for a in plan if plan[a] != "replicate"}
+    linears = {*LINEARS, CONV1D, *_linear_classes(model)}
     return ", ".join(
         f"self.{a} ({', '.join(b) or 'no construction'})"
         for a, b in built.items()
-        if not b or not set(b) <= {*LINEARS, CONV1D} or a in model.kept_linears
+        if not b or not set(b) <= linears or a in model.kept_linears
     )
 
 

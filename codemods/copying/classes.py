@@ -102,6 +102,8 @@ class Context:
     call_sites: dict[str, Claim] = field(default_factory=dict)
     # classes whose forward takes vLLM's positions (to hand them to a claimed module)
     positions: set[str] = field(default_factory=set)
+    # subclasses of nn.Linear proven to compute it: built as `nn.Linear` is
+    linear_classes: set[str] = field(default_factory=set)
 
 
 def is_pretrained(node: cst.ClassDef, classes) -> bool:
@@ -282,6 +284,9 @@ class _InitRewrite(cst.CSTTransformer):
             updated, m.Call(func=m.Attribute(value=m.Call(func=m.Name("super"))))
         ):
             return updated
+        if func in self.ctx.linear_classes:  # proven to compute what nn.Linear does
+            func = "nn.Linear"
+            updated = updated.with_changes(func=cst.parse_expression(func))
         if func in LINEARS:
             return self._linear(updated, path)
         if func == CONV1D and CONV1D not in self.ctx.classes:
