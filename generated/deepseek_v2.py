@@ -6,7 +6,6 @@
 # source sha256: 4597f123bb980530c4d9f73883a5ca6778dd928bec96b6dc9b3ddaba0190b3b5
 # versions:      transformers 5.19.0, vllm 0.32.0, vllm-fusion-codemods 0.1.0
 # architecture:  GeneratedDeepseekV2ForCausalLM -> DeepseekV2ForCausalLM
-# environment:   VLLM_MLA_DISABLE=1 (vLLM must run it so; the model refuses to start otherwise)
 # ======================================================================================
 # Fusion report:
 #   Fused: norm (DeepseekV2Model) -> norm (RMSNorm)
@@ -17,22 +16,18 @@
 #   Fused: gate_up_proj + down_proj (DeepseekV2Experts) -> experts (FusedMoE, external routing: the block's own router picks the experts, in self.mlp.experts)
 #   Fused: gate_proj + up_proj (DeepseekV2MLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Fused: gate_proj + up_proj (DeepseekV2MLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlp.shared_experts)
+#   Fused: q_a_proj + kv_a_proj_with_mqa (DeepseekV2Attention) -> fused_qkv_a_proj (MergedColumnParallelLinear)
+#   Fused: kv_a_proj_with_mqa + kv_a_layernorm + kv_b_proj + rope + attention (DeepseekV2Attention) -> mla_attn (MultiHeadLatentAttentionWrapper, latent KV cache)
 #   Fused: residual add + input_layernorm (DeepseekV2DecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (DeepseekV2DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
-#   Unfused: module (DeepseekV2RotaryEmbedding): copied from the source
 #   Unfused: module (DeepseekV2Moe): copied from the source (the router's top-k is not `torch.topk(..., self.<k>)`, once or per group)
 #   Unfused: module (DeepseekV2TopkRouter): copied from the source
-#   Unfused: attention (DeepseekV2Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
-#   Unfused: tensor parallel (DeepseekV2Attention): replicated on every rank: kv_a_proj_with_mqa (the plan their dataflow gives leaves them whole: the tiny model does not call them, or they are not between two linears of the class)
-#   Unfused: latent attention (DeepseekV2ForCausalLM): its attention is emitted from the source on vLLM's standard attention (expanded keys and values), so vLLM's MLA path must be off: VLLM_MLA_DISABLE=1
+#   Kept: tensor parallel (DeepseekV2Attention): fused_qkv_a_proj, kv_a_proj_with_mqa whole on every rank: the latent's down-projections, as vLLM's own deepseek_v2.py holds them (each rank's heads read the whole latent and its rope key)
 #   Refused: router + experts (DeepseekV2Moe): the router's top-k is not `torch.topk(..., self.<k>)`, once or per group
-#   Refused: latent attention (DeepseekV2Attention): the latent `kv_nope` is not normed once by a proven norm
-#   Refused: q/k/v projections (DeepseekV2Attention): `.cat(...)` between a projection and attention
 # ======================================================================================
 """Native vLLM implementation of DeepseekV2ForCausalLM, generated from transformers/models/deepseek_v2/modeling_deepseek_v2.py."""
 
 from collections.abc import Iterable
-from copy import copy as shallow_copy
 from functools import partial
 from itertools import islice
 
@@ -53,7 +48,9 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mla import MLAModules, MultiHeadLatentAttentionWrapper
 from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -78,26 +75,8 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from collections.abc import Callable
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_rope_utils import dynamic_rope_update
 import math
 import torch.nn.functional as F
-
-
-def vllm_attention(
-    attn: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-) -> torch.Tensor:
-    """transformers' attention-interface layout around vLLM's paged attention:
-    [1, heads, tokens, head size] in, [1, tokens, heads, head size] out (vLLM takes and
-    returns [tokens, heads * head size])."""
-    tokens, size_v = query.shape[2], value.shape[-1]
-    if (
-        size_v < query.shape[-1]
-    ):  # a smaller value head: padded, as vLLM stores one size
-        value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
-    out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
-    return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
 
 
 def DeepseekV2Experts(
@@ -242,75 +221,6 @@ class DeepseekV2MLP(nn.Module):
         return x
 
 
-class DeepseekV2RotaryEmbedding(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-
-        self.config = config
-
-        self.rope_type = self.config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init_fn(self.config)
-
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
-
-    @staticmethod
-    def compute_default_rope_parameters(config, **kwargs) -> tuple[torch.Tensor, float]:
-        """
-        Computes the inverse frequencies according to the original RoPE implementation
-        Args:
-            config ([`~transformers.PreTrainedConfig`]):
-                The model configuration.
-        Returns:
-            Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
-            post-processing scaling factor applied to the computed cos/sin (unused in this type of RoPE).
-        """
-        base = config.rope_parameters["rope_theta"]
-        dim = (
-            getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads
-        )
-
-        attention_factor = 1.0  # Unused in this type of RoPE
-        # Compute the inverse frequencies
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq, attention_factor
-
-    @torch.no_grad()
-    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
-    def forward(self, x, position_ids):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(
-            device=x.device, dtype=torch.float
-        )
-        freqs_cis = torch.polar(
-            torch.ones_like(freqs), freqs
-        )  # Convert to complex representation
-        freqs_cis = freqs_cis * self.attention_scaling
-
-        return freqs_cis
-
-
-def apply_rotary_emb(
-    xq: torch.Tensor,
-    xk: torch.Tensor,
-    freqs_cis: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
-    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
-
-    # Broadcast to [1, 1, seq_len, dim // 2]
-    freqs_cis = freqs_cis.unsqueeze(1).to(xq_.device)
-
-    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3).type_as(xq)
-    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3).type_as(xk)
-    return xq_out, xk_out
-
-
 def yarn_get_mscale(scale=1, mscale=1):
     if scale <= 1:
         return 1.0
@@ -327,23 +237,34 @@ def yarn_apply_mscale(rope_parameters, scaling):
     return scaling
 
 
-class DeepseekV2Attention(nn.Module):
-    """Multi-headed attention from 'Attention Is All You Need' paper"""
+class _FlatRope(nn.Module):
+    """Applies `rope` to [tokens, heads * dim] views of q and k, then restores their shapes."""
 
+    def __init__(self, rope: nn.Module) -> None:
+        super().__init__()
+        self.rope = rope
+
+    def forward(self, positions, q, k):
+        q_out, k_out = self.rope(
+            positions, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1)
+        )
+        return q_out.view(q.shape), k_out.view(k.shape)
+
+
+class DeepseekV2Attention(nn.Module):
     def __init__(
         self,
         config,
-        layer_idx: int,
+        layer_idx,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ):
+    ) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.attention_dropout = config.attention_dropout
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
-
         self.q_lora_rank = config.q_lora_rank
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.kv_lora_rank = config.kv_lora_rank
@@ -353,59 +274,46 @@ class DeepseekV2Attention(nn.Module):
         self.num_key_value_groups = (
             config.num_attention_heads // config.num_key_value_heads
         )
-
         self.is_causal = True
-
-        self.q_proj = (
-            None
-            if self.q_lora_rank is not None
-            else ReplicatedLinear(
-                self.hidden_size,
-                self.num_heads * self.qk_head_dim,
-                bias=False,
-                quant_config=quant_config,
-                prefix=f"{prefix}.q_proj",
-                return_bias=False,
-            )
+        self.scaling = yarn_apply_mscale(
+            config.rope_parameters, self.qk_head_dim ** (-0.5)
         )
-        self.q_a_proj = (
-            ReplicatedLinear(
+        if self.q_lora_rank is not None:
+            # Fused: q_a_proj + kv_a_proj_with_mqa -> fused_qkv_a_proj (one replicated GEMM)
+            self.fused_qkv_a_proj = MergedColumnParallelLinear(
                 self.hidden_size,
-                self.q_lora_rank,
+                [self.q_lora_rank, config.kv_lora_rank + config.qk_rope_head_dim],
                 bias=config.attention_bias,
+                disable_tp=True,
                 quant_config=quant_config,
-                prefix=f"{prefix}.q_a_proj",
-                return_bias=False,
+                prefix=f"{prefix}.fused_qkv_a_proj",
             )
-            if self.q_lora_rank is not None
-            else None
-        )
-        self.q_a_layernorm = (
-            RMSNorm(self.q_lora_rank, eps=1e-6)
-            if self.q_lora_rank is not None
-            else None
-        )
-        self.q_b_proj = (
-            ColumnParallelLinear(
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=1e-6)
+            self.q_b_proj = ColumnParallelLinear(
                 self.q_lora_rank,
                 self.num_heads * self.qk_head_dim,
                 bias=False,
                 quant_config=quant_config,
                 prefix=f"{prefix}.q_b_proj",
-                return_bias=False,
             )
-            if self.q_lora_rank is not None
-            else None
-        )
-
-        self.kv_a_proj_with_mqa = ReplicatedLinear(
-            self.hidden_size,
-            config.kv_lora_rank + config.qk_rope_head_dim,
-            bias=config.attention_bias,
-            quant_config=quant_config,
-            prefix=f"{prefix}.kv_a_proj_with_mqa",
-            return_bias=False,
-        )
+            self.kv_a_proj_with_mqa = None
+            self.q_proj = None
+        else:
+            self.fused_qkv_a_proj = self.q_a_layernorm = self.q_b_proj = None
+            self.kv_a_proj_with_mqa = ReplicatedLinear(
+                self.hidden_size,
+                config.kv_lora_rank + config.qk_rope_head_dim,
+                bias=config.attention_bias,
+                quant_config=quant_config,
+                prefix=f"{prefix}.kv_a_proj_with_mqa",
+            )
+            self.q_proj = ColumnParallelLinear(
+                self.hidden_size,
+                self.num_heads * self.qk_head_dim,
+                bias=False,
+                quant_config=quant_config,
+                prefix=f"{prefix}.q_proj",
+            )
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=1e-6)
         self.kv_b_proj = ColumnParallelLinear(
             config.kv_lora_rank,
@@ -413,123 +321,66 @@ class DeepseekV2Attention(nn.Module):
             bias=False,
             quant_config=quant_config,
             prefix=f"{prefix}.kv_b_proj",
-            return_bias=False,
         )
-
         self.o_proj = RowParallelLinear(
             self.num_heads * self.v_head_dim,
             self.hidden_size,
             bias=config.attention_bias,
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
-            return_bias=False,
         )
-
-        self.scaling = yarn_apply_mscale(
-            config.rope_parameters, self.qk_head_dim ** (-0.5)
-        )
-        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
-        # of the heads (the source's reshapes count heads per rank)
-        tp_size = get_tensor_model_parallel_world_size()
-        assert (
-            config.num_key_value_heads
-        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
-        self.num_heads = self.num_heads // tp_size
-        # vLLM's paged attention serves this module's attention-interface call
-        cache_config = get_current_vllm_config().cache_config
-        sliding_window = None
-        if (
-            sliding_window is None
-            and cache_config is not None
-            and cache_config.sliding_window
+        rope_parameters = dict(config.rope_parameters)
+        rope_type = rope_parameters.get("rope_type", "default")
+        if rope_type not in (
+            "default",
+            "yarn",
         ):
-            # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = shallow_copy(cache_config)
-            cache_config.sliding_window = None
-        self.attn = Attention(
-            self.num_heads,
-            self.qk_head_dim,
+            raise ValueError(
+                f"DeepseekV2Attention: rope type {rope_type!r} for latent attention is not generated yet (proven: 'default', 'yarn')"
+            )
+        self.rotary_emb = _FlatRope(
+            get_rope(
+                self.qk_rope_head_dim,
+                max_position=config.max_position_embeddings,
+                rope_parameters=rope_parameters,
+                is_neox_style=False,
+            )
+        )
+        self.mla_attn = MultiHeadLatentAttentionWrapper(
+            self.hidden_size,
+            self.num_heads // get_tensor_model_parallel_world_size(),
             self.scaling,
-            num_kv_heads=config.num_key_value_heads // tp_size,
-            cache_config=cache_config,
-            quant_config=quant_config,
-            per_layer_sliding_window=sliding_window,
-            prefix=f"{prefix}.attn",
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+            self.q_lora_rank if self.q_lora_rank is not None else None,
+            self.kv_lora_rank,
+            MLAModules(
+                kv_a_layernorm=self.kv_a_layernorm,
+                kv_b_proj=self.kv_b_proj,
+                rotary_emb=self.rotary_emb,
+                o_proj=self.o_proj,
+                fused_qkv_a_proj=self.fused_qkv_a_proj,
+                kv_a_proj_with_mqa=self.kv_a_proj_with_mqa,
+                q_a_layernorm=self.q_a_layernorm,
+                q_b_proj=self.q_b_proj,
+                q_proj=self.q_proj,
+                indexer=None,
+                is_sparse=False,
+                topk_indices_buffer=None,
+            ),
+            get_current_vllm_config().cache_config,
+            quant_config,
+            prefix,
         )
-
-    def expand_kv(
-        self, kv_nope: torch.Tensor, k_rot: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expands the compressed latents into key and value states. Args:
-            - kv_nope: key + value without positional encoding, shape [batch_size, 1, seqlen, self.kv_lora_rank]
-            - k_rot: shared key with positional encoding, shape [batch_size, 1, seqlen, self.qk_rope_head_dim]
-        Returns the key and value states, two tensors of shape [batch, num_heads, seq, (k or v)_head_dim].
-        """
-        batch_size, _, seq_length, _ = kv_nope.shape
-        key_shape = (
-            batch_size,
-            seq_length,
-            -1,
-            self.qk_nope_head_dim + self.v_head_dim,
-        )
-
-        kv_nope = self.kv_b_proj(kv_nope).view(key_shape).transpose(1, 2)
-        k_nope, value_states = torch.split(
-            kv_nope, [self.qk_nope_head_dim, self.v_head_dim], dim=-1
-        )
-        k_rot = k_rot.expand(
-            -1, k_nope.shape[1], -1, -1
-        )  # does not affect the underlying storage
-
-        # Concatenate k_nope and k_rot in a new tensor
-        key_states = kv_nope.new_empty(
-            *kv_nope.shape[:-1], self.qk_nope_head_dim + self.qk_rope_head_dim
-        )
-        key_states[..., : self.qk_nope_head_dim].copy_(k_nope)
-        key_states[..., self.qk_nope_head_dim :].copy_(k_rot)
-        return key_states, value_states
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
-        batch_size, seq_length = hidden_states.shape[:-1]
-        query_shape = (batch_size, seq_length, -1, self.qk_head_dim)
-
-        if self.q_lora_rank is None:
-            q = self.q_proj(hidden_states)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        q = q.view(query_shape).transpose(1, 2)
-        q_nope, q_pe = torch.split(
-            q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
-        )
-
-        compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
-        kv_nope, k_pe = torch.split(
-            compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
-        )
-        # Both latents are viewed as single-head, 4D tensors so all cache layers handle them correctly
-        k_nope = self.kv_a_layernorm(kv_nope).view(
-            batch_size, 1, seq_length, self.kv_lora_rank
-        )
-        k_pe = k_pe.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
-
-        q_pe, k_pe = apply_rotary_emb(q_pe, k_pe, position_embeddings.to(q_pe.device))
-
-        query_states = torch.cat((q_nope, q_pe), dim=-1)
-
-        key_states, value_states = self.expand_kv(k_nope, k_pe)
-
-        attn_output = vllm_attention(self.attn, query_states, key_states, value_states)
-
-        attn_output = attn_output.reshape(batch_size, seq_length, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
-        return attn_output, None
+        self, positions: torch.Tensor, hidden_states: torch.Tensor
+    ) -> torch.Tensor:
+        # vLLM's layout: one row per token
+        shape = hidden_states.shape
+        out = self.mla_attn(positions, hidden_states.reshape(-1, shape[-1]))
+        return out.view(*shape[:-1], -1)
 
 
 class DeepseekV2DecoderLayer(nn.Module):
@@ -571,6 +422,7 @@ class DeepseekV2DecoderLayer(nn.Module):
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         residual: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ):
         if residual is None:
@@ -580,13 +432,7 @@ class DeepseekV2DecoderLayer(nn.Module):
             # the previous layer's residual add, fused into this norm
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         # Self Attention
-        hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
+        hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
         return hidden_states, residual
@@ -626,7 +472,6 @@ class DeepseekV2Model(nn.Module):
             self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         else:
             self.norm = PPMissingLayer()
-        self.rotary_emb = DeepseekV2RotaryEmbedding(config=config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states", "residual"], config.hidden_size
         )
@@ -644,7 +489,6 @@ class DeepseekV2Model(nn.Module):
         # vLLM runs every request's tokens as one sequence: a batch of one
         input_ids = input_ids[None] if input_ids is not None else None
         inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
-        position_ids = positions[None]
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
@@ -653,17 +497,11 @@ class DeepseekV2Model(nn.Module):
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
             hidden_states = inputs_embeds
-        # create position embeddings to be shared across the decoder layers
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
         if get_pp_group().is_first_rank:
             residual = None
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states, residual = decoder_layer(
-                hidden_states,
-                position_embeddings=position_embeddings,
-                attention_mask=None,
-                position_ids=position_ids,
-                residual=residual,
+                hidden_states, residual=residual, positions=positions
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors(
@@ -676,7 +514,10 @@ class DeepseekV2Model(nn.Module):
 
 class DeepseekV2ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    packed_modules_mapping = {
+        "gate_up_proj": ["gate_proj", "up_proj"],
+        "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"],
+    }
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
@@ -689,6 +530,8 @@ class DeepseekV2ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
             ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
             ".mlp.shared_experts.gate_proj.": (".mlp.shared_experts.gate_up_proj.", 0),
             ".mlp.shared_experts.up_proj.": (".mlp.shared_experts.gate_up_proj.", 1),
+            ".self_attn.q_a_proj.": (".self_attn.fused_qkv_a_proj.", 0),
+            ".self_attn.kv_a_proj_with_mqa.": (".self_attn.fused_qkv_a_proj.", 1),
         }
     )
 
@@ -698,11 +541,6 @@ class DeepseekV2ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         quant_config = vllm_config.quant_config
         self.config = config
         self.quant_config = quant_config
-        if vllm_config.model_config.use_mla:
-            raise ValueError(
-                "DeepseekV2ForCausalLM is generated with vLLM's standard attention (expanded keys "
-                "and values), not MLA: run vLLM with VLLM_MLA_DISABLE=1"
-            )
         self.model = DeepseekV2Model(
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model")
         )
@@ -750,4 +588,15 @@ class DeepseekV2ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
-        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        return loader.load_weights(
+            weights, mapper=self._built_merges_mapper(self.hf_to_vllm_mapper)
+        )
+
+    def _built_merges_mapper(self, mapper: WeightsMapper) -> WeightsMapper:
+        built = {name.rsplit(".", 1)[-1] for name, _ in self.named_modules()}
+        stacked = {
+            old: (new, shard)
+            for old, (new, shard) in mapper.orig_to_new_stacked.items()
+            if new.strip(".").rsplit(".", 1)[-1] in built
+        }
+        return WeightsMapper(**{**vars(mapper), "orig_to_new_stacked": stacked})

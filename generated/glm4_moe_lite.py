@@ -178,15 +178,20 @@ class Glm4MoeLiteAttention(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
         )
-        if config.rope_parameters.get("rope_type", "default") != "default":
+        rope_parameters = dict(config.rope_parameters)
+        rope_type = rope_parameters.get("rope_type", "default")
+        if rope_type not in (
+            "default",
+            "yarn",
+        ):
             raise ValueError(
-                f"Glm4MoeLiteAttention: rope type {config.rope_parameters['rope_type']!r} for latent attention is not generated yet"
+                f"Glm4MoeLiteAttention: rope type {rope_type!r} for latent attention is not generated yet (proven: 'default', 'yarn')"
             )
         self.rotary_emb = _FlatRope(
             get_rope(
                 self.qk_rope_head_dim,
                 max_position=config.max_position_embeddings,
-                rope_parameters=config.rope_parameters,
+                rope_parameters=rope_parameters,
                 is_neox_style=not self.config.rope_interleave,
             )
         )

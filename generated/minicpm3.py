@@ -20,7 +20,7 @@
 #   Unfused: attention (MiniCPM3Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Kept: embedding (MiniCPM3ScaledWordEmbedding): copied from the source onto VocabParallelEmbedding (sharded over the vocabulary as vLLM's own)
 #   Unfused: tensor parallel (MiniCPM3Attention): replicated on every rank: kv_a_proj_with_mqa (the plan their dataflow gives leaves them whole: the tiny model does not call them, or they are not between two linears of the class)
-#   Refused: latent attention (MiniCPM3Attention): the latent `kv_pass` is not normed once by a proven norm
+#   Refused: latent attention (MiniCPM3Attention): vLLM does not set up minicpm3 for latent attention (its MLA model types)
 #   Refused: q/k/v projections (MiniCPM3Attention): `.cat(...)` between a projection and attention
 # ======================================================================================
 """Native vLLM implementation of MiniCPM3ForCausalLM, generated from transformers/models/minicpm3/modeling_minicpm3.py."""

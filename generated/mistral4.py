@@ -24,7 +24,7 @@
 #   Unfused: attention (Mistral4Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: tensor parallel (Mistral4Attention): replicated on every rank: kv_a_proj_with_mqa (the plan their dataflow gives leaves them whole: the tiny model does not call them, or they are not between two linears of the class)
 #   Refused: router + experts (Mistral4MoE): Mistral4MoE as FusedMoE (renormalize=True): the fused form differs (max rel err 7.2e-01 > 1e-05)
-#   Refused: latent attention (Mistral4Attention): the latent `kv_pass` is not normed once by a proven norm
+#   Refused: latent attention (Mistral4Attention): vLLM does not set up mistral4 for latent attention (its MLA model types)
 #   Refused: q/k/v projections (Mistral4Attention): `torch.cat((q_pass, q_rot), dim=-1) * get_llama_4_attn_scale( position_ids, self.config.rope_parameters.get("llama_4_scaling_beta"), self.config.rope_parameters.get("original_max_position_embeddings"), ).to(torch.cat((q_pass, q_rot), dim=-1).dtype)` between a projection and attention
 #   Refused: rotary embedding (Mistral4Attention): vLLM's rope computes something else (no head size, rotated dims, pair style and config rope parameters give the source's numbers)
 # ======================================================================================

@@ -2,6 +2,7 @@
 
     python scripts/compare_ops.py llama
     python scripts/compare_ops.py gemma3 --transformers   # against the Transformers backend
+    python scripts/compare_ops.py falcon --override ffn_hidden_size=2048  # as benchmarked
 
 Timings on a shared 2-core machine are noisy; op counts are not. This serves the same
 random checkpoint with each implementation, profiles a few greedy decode steps of one
@@ -90,10 +91,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="compare with vLLM's Transformers backend instead of its native class",
     )
+    parser.add_argument(
+        "--override",
+        action="append",
+        metavar="KEY=JSON",
+        help="set a config field of the checkpoint, as the benchmark's --override",
+    )
     args = parser.parse_args(argv)
 
     import torch
-    from benchmark import PRESETS, build_checkpoint, causal_class
+    from benchmark import PRESETS, build_checkpoint, causal_class, parse_overrides
 
     from codemods.logs import quiet_vllm_logging
     from codemods.verify import read_header
@@ -106,7 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # the benchmark's own checkpoint (its CPU sizes, every other field at default)
         build_checkpoint(
-            causal_cls, PRESETS["cpu"]["sizes"], tmp, 0, torch.float32, source=source
+            causal_cls,
+            PRESETS["cpu"]["sizes"],
+            tmp,
+            0,
+            torch.float32,
+            source=source,
+            overrides=parse_overrides(args.override),
         )
         ours_impl, ours, ours_ms = op_counts(tmp, arch)
         other = None if args.transformers else causal_name

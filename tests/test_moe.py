@@ -263,6 +263,16 @@ def test_every_expert_tensor_reaches_the_fused_moe_loader(tmp_path, arch, layout
 # --- real vLLM -----------------------------------------------------------------------
 
 
+YARN_V2 = [
+    "--override",
+    'rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, '
+    '"original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 0.707, '
+    '"beta_fast": 32, "beta_slow": 1}',
+    "--override",
+    "max_position_embeddings=2560",
+]
+
+
 def verify_json(*args: str) -> tuple[int, dict]:
     result = run_cli("codemods.verify", *args)
     last = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "{}"
@@ -281,14 +291,16 @@ def verify_json(*args: str) -> tuple[int, dict]:
         ("mixtral", ["--pp", "2"]),
         ("mixtral", ["--layout", "in-memory"]),
         ("deepseek_v3", ["--tp", "2"]),
-        ("deepseek_v3", ["--override", "q_lora_rank=null"]),
+        # DeepSeek-V2-Lite's shape: no q low-rank, yarn rope over 40x its trained length
+        ("deepseek_v2", ["--override", "q_lora_rank=null", *YARN_V2]),
     ],
     ids=lambda v: v if isinstance(v, str) else "-".join(v).strip("-"),
 )
 def test_moe_models_match_transformers_in_vllm(arch, args):
     rc, out = verify_json(arch, *args)
     assert rc == 0 and out["ok"] is True, out
-    assert out["impl"] == f"generated.{arch}:{MODELS[arch]}"
+    causal = {**MODELS, "deepseek_v2": "DeepseekV2ForCausalLM"}[arch]
+    assert out["impl"] == f"generated.{arch}:{causal}"
     assert out["tokens_equal"] and out["max_abs_logprob_diff"] <= 1e-4
     if "--tp" in args:
         # experts and attention sharded, measured; DeepSeek-V3's latent down-projections

@@ -127,7 +127,7 @@ NATIVE_ARCHS = sorted(
 )
 # the untied load: every native file, and faithful files of each kind of load (learned
 # positions, Conv1D, wrappers, checkpoint renames, per-expert tensors stacked into 3-D
-# parameters, latent attention run as standard attention)
+# parameters, latent attention)
 UNTIED_ARCHS = NATIVE_ARCHS + [
     "gpt2",
     "gpt_neo",

@@ -9,6 +9,8 @@ Elsewhere the class is copied and attends on vLLM's standard attention.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..base import (
     CLASS,
     Claim,
@@ -22,7 +24,7 @@ from ..base import (
 from ..emitting import positions_call, returned_arity
 from .emit import emit
 from .match import MERGED, NAME, VLLM_CLASS, MLASpec, match, records
-from .proof import prove
+from .proof import prove, scaled_ropes
 
 WHAT = "latent attention"
 
@@ -59,7 +61,7 @@ class LatentAttention(Pattern):
         norms = model.norm_specs()
         for n in model.roles.attention:
             info = model.classes[n]
-            spec = match(info, set(norms))
+            spec = match(info, set(norms), model.source.module)
             if spec is None:
                 continue
             if isinstance(spec, Refusal):
@@ -71,7 +73,7 @@ class LatentAttention(Pattern):
                         f"vLLM does not set up {model.config.model_type} for latent "
                         "attention (its MLA model types)"
                     )
-                text = emit(info, spec, norms)
+                ropes = unproven = None
                 for path, inst in model.probe.instances.get(n, []):
                     call = model.call(inst)
                     if call is None:
@@ -81,9 +83,21 @@ class LatentAttention(Pattern):
                     prove(
                         spec, inst, kwargs, model.config, model.config.rope_parameters
                     )
+                    if ropes is None:  # the first layer: the scaled ropes proven
+                        ropes, unproven = scaled_ropes(spec, model, inst, kwargs)
+                spec = replace(spec, scaled_ropes=tuple(sorted((ropes or {}).items())))
+                text = emit(info, spec, norms)
             except Exception as exc:  # a proof that fails or cannot run is a refusal
                 yield refused_by(exc, NAME, n, WHAT)
                 continue
+            for rope_type, why in (unproven or {}).items():
+                yield Refusal(
+                    NAME,
+                    n,
+                    f"{rope_type} rope",
+                    f"no vLLM rope computes it in latent attention ({why}); a "
+                    "checkpoint with it does not load",
+                )
             yield Claim(
                 self,
                 n,

@@ -29,12 +29,35 @@ class _FlatRope(nn.Module):
 '''
 
 
+def _rope_types(info: ClassInfo, spec: MLASpec) -> list[str]:
+    """The rope parameters vLLM's rope is built from: the source's, its rope type
+    mapped where a scaled rope was proven (vLLM names DeepSeek's yarn its own way);
+    a rope type no proof covered stops the model from loading, with its name."""
+    proven = dict(spec.scaled_ropes)
+    known = ", ".join(repr(t) for t in ["default", *proven])
+    lines = [
+        "rope_parameters = dict(config.rope_parameters)",
+        'rope_type = rope_parameters.get("rope_type", "default")',
+    ]
+    renamed = {k: v for k, v in proven.items() if k != v}
+    if renamed:
+        lines += [
+            "# the source's scaled rope as vLLM names the kernel proven to compute it",
+            f"rope_parameters['rope_type'] = {renamed!r}.get(rope_type, rope_type)",
+        ]
+    return lines + [
+        f"if rope_type not in ({known},):",
+        "    raise ValueError(",
+        f'        f"{info.name}: rope type {{rope_type!r}} for latent attention is not '
+        f'generated yet (proven: {known})"',
+        "    )",
+    ]
+
+
 def _split_heads(expr: cst.BaseExpression, what: str) -> list[cst.BaseExpression]:
     """`<heads> * (<a> + <b>)` -> [heads, a, b]; `<heads> * <a>` -> [heads, a]."""
     if not m.matches(expr, m.BinaryOperation(operator=m.Multiply())):
-        raise PatternRefused(
-            f"{what} `{code(expr)}` is not `<heads> * <size>`"
-        )
+        raise PatternRefused(f"{what} `{code(expr)}` is not `<heads> * <size>`")
     right = expr.right
     if m.matches(right, m.BinaryOperation(operator=m.Add())):
         return [expr.left, right.left, right.right]
@@ -45,8 +68,7 @@ def _norm(info: ClassInfo, attr: str, norms: dict[str, NormSpec]) -> str:
     for call in m.findall(info.attrs[attr], m.Call(func=m.Name())):
         if call.func.value in norms:
             return norms[call.func.value].construction(call)
-    raise PatternRefused(
-            f"self.{attr} is not a proven RMSNorm")
+    raise PatternRefused(f"self.{attr} is not a proven RMSNorm")
 
 
 def _condition(info: ClassInfo, attr: str) -> str:
@@ -75,8 +97,7 @@ def emit(info: ClassInfo, spec: MLASpec, norms: dict[str, NormSpec]) -> str:
     # the source's plain attributes (sizes, scaling) are kept; its modules are rebuilt below
     body = translate_init(info, lambda attr, value: [] if attr in modules else None)
     if "scaling" not in info.attrs:
-        raise PatternRefused(
-            f"{info.name} sets no self.scaling")
+        raise PatternRefused(f"{info.name} sets no self.scaling")
 
     def linear(cls: str, attr: str, args, extra: str = "") -> str:
         size_in, size_out, bias = args
@@ -111,9 +132,7 @@ def emit(info: ClassInfo, spec: MLASpec, norms: dict[str, NormSpec]) -> str:
             linear("ColumnParallelLinear", spec.q_proj, linear_of(info, spec.q_proj))
         )
     elif cond != "True":
-        raise PatternRefused(
-            f"{info.name} has no q projection when not `{cond}`"
-        )
+        raise PatternRefused(f"{info.name} has no q projection when not `{cond}`")
     lines = [f"if {cond}:", *("    " + line for line in low_rank)]
     if cond != "True":
         lines += ["else:", *("    " + line for line in full_rank)]
@@ -121,13 +140,10 @@ def emit(info: ClassInfo, spec: MLASpec, norms: dict[str, NormSpec]) -> str:
         f"self.{spec.kv_norm} = {_norm(info, spec.kv_norm, norms)}",
         linear("ColumnParallelLinear", spec.kv_b, linear_of(info, spec.kv_b)),
         linear("RowParallelLinear", spec.o_proj, linear_of(info, spec.o_proj)),
-        'if config.rope_parameters.get("rope_type", "default") != "default":',
-        "    raise ValueError(",
-        f"        f\"{info.name}: rope type {{config.rope_parameters['rope_type']!r}} for latent attention is not generated yet\"",
-        "    )",
+        *_rope_types(info, spec),
         "self.rotary_emb = _FlatRope(",
         f"    get_rope(self.{spec.rope_dim}, max_position=config.max_position_embeddings, "
-        f"rope_parameters=config.rope_parameters, is_neox_style={code(spec.neox)})",
+        f"rope_parameters=rope_parameters, is_neox_style={code(spec.neox)})",
         ")",
         "self.mla_attn = MultiHeadLatentAttentionWrapper(",
         f"    {code(q_a[0])},",

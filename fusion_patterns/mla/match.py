@@ -51,6 +51,8 @@ class MLASpec:
     kv_lora_rank: str
     rope_dim: str
     neox: cst.BaseExpression  # rope style: rotate halves (True) or pairs (False)
+    # (source rope type, the vLLM rope type proven to compute it) beyond the default
+    scaled_ropes: tuple[tuple[str, str], ...] = ()
 
 
 def _linear(info: ClassInfo, attr: str) -> cst.Call:
@@ -73,7 +75,9 @@ def _called(node: cst.CSTNode) -> list[str]:
     return [c.func.attr.value for c in m.findall(node, m.Call(func=_SELF))]
 
 
-def match(info: ClassInfo, norms: set[str]) -> MLASpec | Refusal | None:
+def match(
+    info: ClassInfo, norms: set[str], module: cst.Module | None = None
+) -> MLASpec | Refusal | None:
     if info.forward is None:
         return None
     splits = [
@@ -84,12 +88,12 @@ def match(info: ClassInfo, norms: set[str]) -> MLASpec | Refusal | None:
     if not splits:
         return None
     try:
-        return _extract(info, norms)
+        return _extract(info, norms, module)
     except PatternRefused as why:
         return Refusal(NAME, info.name, "latent attention", str(why))
 
 
-def _extract(info: ClassInfo, norms: set[str]) -> MLASpec:
+def _extract(info: ClassInfo, norms: set[str], module: cst.Module | None) -> MLASpec:
     fwd = info.forward
     linears = {a for a in info.attrs if _is_linear(info, a)}
     norm_attrs = {a for a in info.attrs if norm_class(info, a) in norms}
@@ -110,16 +114,12 @@ def _extract(info: ClassInfo, norms: set[str]) -> MLASpec:
                 kv_lora_rank, rope_dim = sizes
     if kv_a is None:
         raise PatternRefused("no projection split into [latent, rope] dims")
+    # `latent = self.<norm>(latent)`, or the normed latent under another name
+    # (`k_nope = self.<norm>(kv_nope).view(...)`): the proof checks what follows
     kv_norms = [
-        a.value.func.attr.value
-        for a in m.findall(
-            fwd,
-            m.Assign(
-                targets=[m.AssignTarget(m.Name(latent))],
-                value=m.Call(func=_SELF, args=[m.Arg(m.Name(latent))]),
-            ),
-        )
-        if a.value.func.attr.value in norm_attrs
+        c.func.attr.value
+        for c in m.findall(fwd, m.Call(func=_SELF, args=[m.Arg(m.Name(latent))]))
+        if c.func.attr.value in norm_attrs
     ]
     if len(kv_norms) != 1:
         raise PatternRefused(
@@ -162,7 +162,7 @@ def _extract(info: ClassInfo, norms: set[str]) -> MLASpec:
     ]
     if not rotary_calls:
         raise PatternRefused("no rotary embedding call")
-    neox = _rope_style(fwd)
+    neox = _rope_style(fwd, _functions(module))
     return MLASpec(
         class_name=info.name,
         q_a=q_a,
@@ -207,15 +207,32 @@ def _direct_q(fwd: cst.FunctionDef, attr: str) -> bool:
     )
 
 
-def _rope_style(fwd: cst.FunctionDef) -> cst.BaseExpression:
+def _functions(module: cst.Module | None) -> dict[str, cst.FunctionDef]:
+    """The source file's module-level functions, by name."""
+    if module is None:
+        return {}
+    return {s.name.value: s for s in module.body if isinstance(s, cst.FunctionDef)}
+
+
+def _rope_style(
+    fwd: cst.FunctionDef, functions: dict[str, cst.FunctionDef]
+) -> cst.BaseExpression:
     """`is_neox_style` as an expression: pairs are rotated by an `...interleave`
-    function; `if <test>: interleave else: halves` gives `not <test>`."""
+    function, or by one multiplying complex numbers (`torch.view_as_complex` over
+    pairs of the last dim: DeepSeek-V2); `if <test>: interleave else: halves` gives
+    `not <test>`."""
     for node in m.findall(fwd, m.If()):
         body_calls = [c.func.value for c in m.findall(node.body, m.Call(func=m.Name()))]
         if any("interleave" in name for name in body_calls) and node.orelse is not None:
             return cst.parse_expression(f"not {code(node.test)}")
     names = [c.func.value for c in m.findall(fwd, m.Call(func=m.Name()))]
-    return cst.Name("False" if any("interleave" in n for n in names) else "True")
+    complex_pairs = m.Call(
+        func=m.Attribute(value=m.Name("torch"), attr=m.Name("view_as_complex"))
+    )
+    pairs = any("interleave" in n for n in names) or any(
+        m.findall(functions[n], complex_pairs) for n in names if n in functions
+    )
+    return cst.Name("False" if pairs else "True")
 
 
 def records(spec: MLASpec, scope: str) -> list[FusionRecord]:
