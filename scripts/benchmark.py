@@ -464,6 +464,18 @@ def prime_model_info(archs: list[str]) -> None:
             entry.inspect_model_cls()
 
 
+def amx_off() -> bool:
+    """CODEMODS_NO_AMX=1 on a CPU with AMX tiles: vLLM's AMX kernels are off for every
+    implementation of the run (vLLM 0.32 loads an fp32 latent attention only so: its
+    AMX MLA backend packs bf16/fp16 weights only, the native class's as much)."""
+    if os.environ.get("CODEMODS_NO_AMX") != "1":
+        return False
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def machine_info(device: str) -> dict:
     import torch
     import transformers
@@ -514,6 +526,8 @@ def prepare_job(job: dict) -> dict:
         if device == "cpu" and model.get("cpu_dtype"):
             # every implementation of it runs in that dtype: like against like
             model["dtype"] = model["cpu_dtype"]
+        if device == "cpu" and amx_off():
+            model["amx_off"] = True
         try:
             model["native_class"] = native_class(model["hf_arch"])
         except (
@@ -869,6 +883,8 @@ def model_cell(key: str, model: dict, machine: str | None = None) -> str:
         )
     if model.get("dtype"):
         key += f" (in {model['dtype']})"
+    if model.get("amx_off"):
+        key += " (AMX kernels off)"
     if machine and model.get("machine") and model["machine"] != machine:
         key += f" (on {model['machine']})"
     if recorded and recorded == current_sha(key.split(" ")[0]):
