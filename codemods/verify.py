@@ -50,6 +50,13 @@ def read_header(path: Path) -> dict[str, str]:
     fields["environment"] = dict(
         re.findall(r"^# environment:\s+(\w+)=(\S+)", head, re.MULTILINE)
     )
+    # the file serves one pipeline stage only (its report says why)
+    no_pipeline = re.search(
+        r"^#\s+Unfused: pipeline parallel \(\w+\): not supported: (.+)$",
+        head,
+        re.MULTILINE,
+    )
+    fields["no_pipeline"] = no_pipeline.group(1) if no_pipeline else None
     return fields
 
 
@@ -180,6 +187,11 @@ def _verify_generated(
     from . import registration
 
     header = read_header(path)
+    if pp > 1 and header["no_pipeline"]:
+        raise CodemodError(
+            f"{path.stem}: pipeline parallel is not supported by this file: "
+            f"{header['no_pipeline']}"
+        )
     dtype = dtype or _engine_dtype(header)
     for key, value in header.get("environment", {}).items():
         os.environ[key] = value  # what the file says vLLM must run it with

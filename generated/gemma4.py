@@ -31,6 +31,7 @@
 #   Unfused: attention (Gemma4TextAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling, window=self.sliding_window)
 #   Unfused: tensor parallel (Gemma4TextDecoderLayer): replicated: sharded over 2 ranks it fails (RuntimeError: The size of tensor a (128) must match the size of tensor b (256) at non-singleton dimension 2)
 #   Unfused: tensor parallel (Gemma4TextRouter): replicated on every rank: proj (transformers' TP plan has no entry for them, and their dataflow gives none: no linear feeds another on the way to its output)
+#   Unfused: pipeline parallel (Gemma4TextModel): not supported: Gemma4TextModel.__init__ reads every layer's `layer.self_attn`, and a pipeline stage holds only its own layers
 #   Unfused: torch.compile (Gemma4TextModel): off: Gemma4TextModel has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Refused: q/k/v projections (Gemma4TextAttention): key_states is assigned twice
 #   Refused: residual add + norm (Gemma4TextDecoderLayer): `if self.enable_moe_block:` is not the residual add
@@ -65,11 +66,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.interfaces import (
-    SupportsLoRA,
-    SupportsPP,
-    SupportsQuant,
-)
+from vllm.model_executor.models.interfaces import SupportsLoRA, SupportsQuant
 from vllm.model_executor.models.transformers.moe import (
     TransformersMoERunner,
     TransformersMoEState,
@@ -948,7 +945,7 @@ class Gemma4TextModel(nn.Module):
         return (per_layer_projection + per_layer_inputs) * self.per_layer_input_scale
 
 
-class Gemma4ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
+class Gemma4ForCausalLM(nn.Module, SupportsLoRA, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
     embedding_modules = {

@@ -70,14 +70,20 @@ def assemble(model: Model, copied: Copied, defs: Definitions, plan: Plan) -> Ass
                 "(expanded keys and values), so vLLM's MLA path must be off: VLLM_MLA_DISABLE=1",
             )
         )
-    pieces[roles.base.name] = emit_base(roles, ctx, model.claims)
+    pieces[roles.base.name], no_pipeline = emit_base(roles, ctx, model.claims)
+    if no_pipeline:  # served on one pipeline stage: vLLM refuses PP without SupportsPP
+        out.unfused.append(
+            Unfused(
+                roles.base.name, "pipeline parallel", f"not supported: {no_pipeline}"
+            )
+        )
     for inner_attr, wrapper in roles.wrappers:
         inner = type(getattr(wrapper, inner_attr)).__name__
         pieces[type(wrapper).__name__] = WRAPPER.format(
             name=type(wrapper).__name__, attr=inner_attr, inner=inner
         )
     pieces[roles.causal.name] = emit_causal(
-        _causal_roles(model, require_no_mla),
+        _causal_roles(model, require_no_mla, pipeline=not no_pipeline),
         ctx,
         plan.packed_modules_mapping(),
         _loading(model, plan),
@@ -220,7 +226,7 @@ def _helpers(ctx, pieces: dict[str, str], claims) -> str:
     return helper
 
 
-def _causal_roles(model: Model, require_no_mla: bool) -> CausalRoles:
+def _causal_roles(model: Model, require_no_mla: bool, pipeline: bool) -> CausalRoles:
     from fusion_patterns.base import code, linear_args
 
     roles = model.roles
@@ -238,6 +244,7 @@ def _causal_roles(model: Model, require_no_mla: bool) -> CausalRoles:
         last_rank_attrs=roles.last_rank_attrs,
         require_no_mla=require_no_mla,
         embedding=roles.vocab_attr.split(".")[-1],
+        pipeline=pipeline,
     )
 
 

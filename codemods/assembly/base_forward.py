@@ -152,8 +152,11 @@ def _returned_hidden(ret: cst.Return) -> cst.BaseExpression:
     raise CodemodError("cannot generate: the base model's forward returns nothing")
 
 
-def base_forward(roles: Roles, ctx: Context, claims: list) -> tuple[str, list[str]]:
-    """(the forward's text, the names carried from one pipeline stage to the next)."""
+def base_forward(
+    roles: Roles, ctx: Context, claims: list
+) -> tuple[str, list[str], str | None]:
+    """(the forward's text, the names carried from one pipeline stage to the next, why
+    it cannot be split over pipeline stages or None)."""
     info = roles.base
     if info.forward is None:
         raise CodemodError(f"cannot generate: {info.name} has no forward")
@@ -194,7 +197,7 @@ def base_forward(roles: Roles, ctx: Context, claims: list) -> tuple[str, list[st
         # a claimed module inside the layers takes vLLM's positions
         names = {n.value for n in m.findall(loop.target, m.Name())}
         parts.loop = parts.loop.visit(_LayerCall(names))
-    first_only, aliases = _pipeline_split(roles, params, parts)
+    first_only, aliases, no_pipeline = _pipeline_split(roles, params, parts)
     lines = _inputs(params, parts, aliases)
     group: list[str] = []
 
@@ -234,6 +237,7 @@ def base_forward(roles: Roles, ctx: Context, claims: list) -> tuple[str, list[st
 {body}
 """,
         parts.carried,
+        no_pipeline,
     )
 
 
@@ -361,12 +365,15 @@ def _pipeline_split(roles: Roles, params: set[str], parts: BaseForward):
         else:
             every_reads |= set(loads(stmt))
     missing = sorted((defined_first & every_reads) - stream_names - carried)
-    if missing:
-        raise CodemodError(
-            f"cannot generate: {roles.base.name}.forward: pipeline stages after the first "
-            f"would need {missing[0]}, which only the first stage computes"
-        )
-    return first_only, sorted((defined_first & every_reads & stream_names) - carried)
+    # a stage after the first would lack it: the file serves one pipeline stage only
+    why = (
+        f"stages after the first would need {missing[0]} in {roles.base.name}.forward, "
+        "which only the first stage computes"
+        if missing
+        else None
+    )
+    aliases = sorted((defined_first & every_reads & stream_names) - carried)
+    return first_only, aliases, why
 
 
 def _inputs(params: set[str], parts: BaseForward, aliases: list[str]) -> list[str]:

@@ -22,7 +22,8 @@ from .base_forward import base_forward
 from .ranks import KEEP_EVERY_RANK, _flatten, _rank_guard
 
 
-def emit_base(roles: Roles, ctx: Context, claims: list) -> str:
+def emit_base(roles: Roles, ctx: Context, claims: list) -> tuple[str, str | None]:
+    """(the class's text, why it cannot be split over pipeline stages or None)."""
     info = roles.base
     body: list[str] = [
         "super().__init__()",
@@ -32,9 +33,12 @@ def emit_base(roles: Roles, ctx: Context, claims: list) -> str:
     ]
     rewriter = _InitRewrite(info, ctx)
     dropped = set().union(*(c.pattern.dropped_buffers(c) for c in claims))
+    no_pipeline = None
     for stmt in _without_folded(info.init_statements(), dropped):
         body += _base_init_statement(stmt, roles, ctx, rewriter)
-    forward, carried = base_forward(roles, ctx, claims)
+        no_pipeline = no_pipeline or _reads_every_layer(stmt, info, roles.layers_attr)
+    forward, carried, why = base_forward(roles, ctx, claims)
+    no_pipeline = no_pipeline or why
     # the base model's own position count (TrOCR's decoder hands its embedding one)
     refuse_if_still_used(info, textwrap.dedent(forward), base=True)
     keys = ", ".join(f'"{k}"' for k in carried)
@@ -47,7 +51,8 @@ def emit_base(roles: Roles, ctx: Context, claims: list) -> str:
     if roles.layers_method is not None:
         methods.append(layer_builder.builder_method(roles.layers_method, ctx))
     helpers = "\n".join(textwrap.indent(code(h), "    ") for h in methods)
-    return f"""
+    return (
+        f"""
 @support_torch_compile
 class {info.name}(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -57,7 +62,32 @@ class {info.name}(nn.Module):
         return self.{roles.vocab_attr}(input_ids)
 
 {forward}
-{helpers}"""
+{helpers}""",
+        no_pipeline,
+    )
+
+
+def _reads_every_layer(
+    stmt: cst.BaseStatement, info: ClassInfo, layers_attr: str
+) -> str | None:
+    """Why `__init__` cannot run on a pipeline stage: a loop over the layer list that
+    reads its layers' attributes (Gemma 3n's kv-shared layers), where a stage holds
+    placeholders for the other stages' layers. None otherwise."""
+    if not isinstance(stmt, cst.For):
+        return None
+    layers = m.Attribute(value=m.Name("self"), attr=m.Name(layers_attr))
+    if not m.findall(stmt.iter, layers):
+        return None
+    names = {n.value for n in m.findall(stmt.target, m.Name())}
+    read = m.findall(
+        stmt.body, m.Attribute(value=m.Name(m.MatchIfTrue(lambda v: v in names)))
+    )
+    if not read:
+        return None
+    return (
+        f"{info.name}.__init__ reads every layer's `{code(read[0])}`, and a pipeline "
+        "stage holds only its own layers"
+    )
 
 
 def _helper_methods(info: ClassInfo, forward_text: str) -> list[cst.FunctionDef]:

@@ -36,6 +36,8 @@ class CausalRoles:
     require_no_mla: bool = False
     # the vocabulary embedding's module name (LoRA's embedding_modules)
     embedding: str = ""
+    # splits over pipeline stages (SupportsPP); False: one stage only, vLLM refuses PP
+    pipeline: bool = True
 
 
 @dataclass
@@ -168,7 +170,7 @@ def emit_causal(
         else f'{{"{roles.head_attr}": "output_embeddings"}}'
     )
     return f"""
-class {info.name}({", ".join(("nn.Module", *loading.interfaces, "SupportsLoRA", "SupportsPP", "SupportsQuant"))}):
+class {info.name}({", ".join(("nn.Module", *loading.interfaces, "SupportsLoRA", *(["SupportsPP"] if roles.pipeline else []), "SupportsQuant"))}):
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {{
 {packed_lines}
