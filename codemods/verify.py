@@ -781,6 +781,28 @@ def main(argv: list[str] | None = None) -> int:
     return max(code for code, _ in results)
 
 
+# vLLM's engine process says only this when a worker (TP/PP > 1) fails to start; the
+# worker's own exception is in the log
+ENGINE_START_FAILED = "Engine core initialization failed"
+_RAISED = re.compile(r"\b((?:[\w.]+Error|[\w.]+Exception|NotImplementedError): .+)$")
+
+
+def with_root_cause(error: str, log: str) -> str:
+    """`error`, with the exception a worker raised in its place where the engine says
+    only that its start failed ("See root cause above", which a one-line error lacks).
+    """
+    if ENGINE_START_FAILED not in error:
+        return error
+    raised = [
+        found.group(1).strip()
+        for line in log.splitlines()
+        if "Worker" in line and (found := _RAISED.search(line))
+    ]
+    if not raised:
+        return error
+    return f"could not run: {raised[-1]} (in a worker: {ENGINE_START_FAILED.lower()})"
+
+
 def _run_quietly(target: str, verbose: bool, **kwargs) -> tuple[int, dict]:
     """One verification with its progress lines; vLLM's log only if asked, or its
     tail when the run did not pass."""
@@ -792,6 +814,8 @@ def _run_quietly(target: str, verbose: bool, **kwargs) -> tuple[int, dict]:
             target, progress=Progress(label, 0, stderr), **kwargs
         )
         log = read_log() if code else ""
+    if result.get("error"):
+        result["error"] = with_root_cause(result["error"], log)
     if log.strip():
         print(
             f"--- the last lines of vLLM's and transformers' log for {label} "

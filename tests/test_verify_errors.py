@@ -1,0 +1,34 @@
+"""verify's one-line error names what failed: where vLLM's engine says only that its
+start failed ("See root cause above"), the exception a worker raised, from the log
+verify keeps aside. Engine-free: the log lines are vLLM 0.32's, as a PP=2 run of a file
+reading a placeholder layer printed them."""
+
+from __future__ import annotations
+
+from codemods.verify import with_root_cause
+
+ENGINE = (
+    "could not run: RuntimeError: Engine core initialization failed. See root cause "
+    "above. Failed core proc(s): {'EngineCore': 1}"
+)
+LOG = """\
+(Worker_PP0 pid=31509) ERROR 12-07 03:41:13 [multiproc_executor.py:953]     if layer.self_attn.is_kv_shared_layer:
+(Worker_PP0 pid=31509) ERROR 12-07 03:41:13 [multiproc_executor.py:953]     raise AttributeError(
+(Worker_PP0 pid=31509) ERROR 12-07 03:41:13 [multiproc_executor.py:953] AttributeError: 'PPMissingLayer' object has no attribute 'self_attn'
+(EngineCore pid=31500) ERROR 12-07 03:41:14 [core.py:1100] RuntimeError: Engine core initialization failed. See root cause above.
+"""
+
+
+def test_a_workers_exception_replaces_the_engines_see_above():
+    assert with_root_cause(ENGINE, LOG) == (
+        "could not run: AttributeError: 'PPMissingLayer' object has no attribute "
+        "'self_attn' (in a worker: engine core initialization failed)"
+    )
+
+
+def test_other_errors_and_logs_without_a_worker_exception_are_kept():
+    assert with_root_cause("could not run: ValueError: x", LOG) == (
+        "could not run: ValueError: x"
+    )
+    engine_only = LOG.splitlines()[-1]
+    assert with_root_cause(ENGINE, engine_only) == ENGINE
