@@ -6,8 +6,6 @@ checkpoints run in vLLM in test_moe.py."""
 
 from __future__ import annotations
 
-import pytest
-
 from codemods.apply import generate
 from fusion_patterns.mla import proof
 
@@ -28,14 +26,11 @@ def test_deepseek_v2_runs_vllms_latent_attention_with_its_pair_rope():
     )
 
 
-@pytest.mark.parametrize(
-    "model", ["modeling_deepseek_v2.py", "modeling_deepseek_v3.py"]
-)
-def test_a_vllm_rope_computing_something_else_is_not_taken_for_yarn(model, monkeypatch):
+def test_a_vllm_rope_computing_something_else_is_not_taken_for_yarn(monkeypatch):
     # vLLM's linear scaling is a rope, and a scaled one, but not yarn: refused, said,
     # and a yarn checkpoint then stops with its name instead of loading wrong
     monkeypatch.setattr(proof, "SCALED_ROPES", {"yarn": ("linear",)})
-    plan, text = generate(model)
+    plan, text = generate("modeling_deepseek_v2.py")
     refused = [line for line in plan.report() if line.startswith("Refused: yarn rope")]
     assert (
         len(refused) == 1
