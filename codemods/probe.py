@@ -294,9 +294,24 @@ def refuse_encoder_decoder(causal_cls, config=None) -> None:
         )
 
 
+def refuse_other_outputs(causal_cls) -> None:
+    """Out of scope: not a text LM: a causal LM transformers says generates something
+    else (`output_modalities`: MusicGen's audio codebooks, one token per codebook at
+    each step), where vLLM's text generation samples one text token per step."""
+    from .errors import CodemodError
+
+    outputs = getattr(causal_cls, "output_modalities", None) or ("text",)
+    outputs = (outputs,) if isinstance(outputs, str) else tuple(outputs)
+    if "text" not in outputs:
+        raise CodemodError(
+            f"out of scope: not a text LM: {causal_cls.__name__} generates "
+            f"{' and '.join(outputs)} (transformers' output_modalities), not text"
+        )
+
+
 def refuse_out_of_scope(causal_cls, source) -> None:
     """Out of scope before anything is built: an encoder-decoder model or its decoder,
-    a bidirectional encoder whose causal-LM head is the same stack run with a causal
+    a causal LM generating audio, a bidirectional encoder whose causal-LM head is the same stack run with a causal
     mask (transformers maps its model type to a masked-LM head too: the BERT family),
     a causal LM that cannot run from token ids alone, or a file in which nothing
     attends (Mamba 2: its tiny config need not even validate to say so)."""
@@ -304,6 +319,7 @@ def refuse_out_of_scope(causal_cls, source) -> None:
 
     info = source.classes.get(causal_cls.__name__)
     refuse_encoder_decoder(causal_cls)
+    refuse_other_outputs(causal_cls)
     if info is not None and (needed := _required_inputs(info)):
         raise CodemodError(
             f"out of scope: not a standalone LM: {info.name}.forward raises without "

@@ -37,6 +37,31 @@ def test_a_causal_lm_only_over_a_multimodal_config_is_not_a_text_lm(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    "name", ["modeling_musicgen.py", "modeling_musicgen_melody.py"]
+)
+def test_a_causal_lm_generating_audio_is_not_a_text_lm(name, tmp_path):
+    """MusicGen's decoder predicts a token per audio codebook at each step: transformers
+    says it generates audio; said before any tiny model is built (its tiny build failed
+    on a reshape before), writing nothing."""
+    result = run_cli("codemods.apply", name, "--out", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: out of scope: not a text LM: Musicgen")
+    assert lines[0].endswith(
+        "ForCausalLM generates audio (transformers' output_modalities), not text"
+    )
+    assert not list(tmp_path.iterdir())
+
+
+def test_moshis_text_decoder_is_not_taken_for_its_audio_model(tmp_path):
+    # MoshiForCausalLM: one text head over the temporal transformer (its config counts
+    # audio codebooks, which this decoder does not predict)
+    moshi = run_cli("codemods.apply", "modeling_moshi.py", "--out", str(tmp_path))
+    assert "out of scope" not in moshi.stderr, moshi.stderr
+
+
 def test_a_decoder_is_in_scope_whatever_its_class_is_called():
     """The causal-LM mapping names the class (Reformer's `ReformerModelWithLMHead`):
     found by it, the encoder rule then decides, not the class's suffix."""
