@@ -1,7 +1,8 @@
 """The fusion patterns, in the order the claims stage runs them (as vLLM's `FUSERS`).
 
-Order matters where one pattern reads another's claims: the mixers that keep state
-first (vLLM's layer holds their norm and projections: nothing else claims them), norms
+Order matters where one pattern reads another's claims: the subclasses of nn.Linear
+proven to compute one first (a construction no other pattern claims), the mixers that
+keep state next (vLLM's layer holds their norm and projections: nothing else claims them), norms
 (the attention's head norms, the residual fold and the latent attention build on
 proven norms), then the
 blocks inside a layer (a MoE block before a gated MLP, so a router is never taken for a
