@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from fusion_patterns.base import ClassInfo, ClassTable, code, dotted_name, linear_args
+from fusion_patterns.base import LINEARS, ClassInfo, ClassTable, code, dotted_name
+from fusion_patterns.base import linear_args
 
 from .copying import attention as attention_args
 from .copying import eager_attention
@@ -27,8 +28,6 @@ from .errors import CodemodError
 from .attention_calls import interface_call
 from .probe import PROBE_TOKENS, Probe
 from .source import ModelSource
-
-LINEARS = ("nn.Linear", "torch.nn.Linear")
 
 
 @dataclass

@@ -300,8 +300,12 @@ def construction_records(
     ]
 
 
+# how a modeling file names torch's linear layer
+LINEARS = ("nn.Linear", "torch.nn.Linear")
+
+
 def is_linear(info: ClassInfo, attr: str) -> bool:
-    return info.constructed_class(attr) in ("nn.Linear", "torch.nn.Linear", "Linear")
+    return info.constructed_class(attr) in (*LINEARS, "Linear")
 
 
 # --- the interface ------------------------------------------------------------------

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 import libcst as cst
 
 from .base import CONSTRUCTION, Claim, ClassInfo, Pattern, Refusal
-from .base import construction_records, proven_classes, takes_one_argument
+from .base import LINEARS, construction_records, proven_classes, takes_one_argument
 
 NAME = "linear subclass"
-LINEAR_BASES = ("nn.Linear", "torch.nn.Linear")
 # |F.linear - source| <= RTOL * (|x| |w| summed + 1): fp32 rounding of one product
 # written two ways (a matmul and an addmm accumulate in other orders)
 RTOL = 1e-5
@@ -40,7 +39,7 @@ class LinearSpec:
 def _candidate(info: ClassInfo, instance) -> bool:
     from torch import nn
 
-    if not set(info.bases) & set(LINEAR_BASES) or info.init is not None:
+    if not set(info.bases) & set(LINEARS) or info.init is not None:
         return False
     return isinstance(instance, nn.Linear) and takes_one_argument(info.forward)
 

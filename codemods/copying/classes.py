@@ -20,6 +20,7 @@ import libcst.matchers as m
 
 from fusion_patterns.base import (
     CLASS,
+    LINEARS,
     branch_keys,
     Claim,
     ClassInfo,
@@ -40,7 +41,6 @@ from .definitions import strip_decorators
 from .eager_attention import CoreRewrite
 from .inference import clean_signature, inference_folded, is_docstring
 
-LINEARS = ("nn.Linear", "torch.nn.Linear")
 # transformers' `Conv1D(nf, nx)` (GPT-2): a linear storing its weight [in, out]
 CONV1D = "Conv1D"
 CONV1D_HELPER = '''

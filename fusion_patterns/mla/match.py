@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 
-from ..base import ClassInfo, FusionRecord, PatternRefused, Refusal, code, linear_args
+from ..base import LINEARS, ClassInfo, FusionRecord, PatternRefused, Refusal, code
+from ..base import linear_args
 
 NAME = "mla"
 VLLM_CLASS = "MultiHeadLatentAttentionWrapper"
@@ -60,7 +61,7 @@ def _linear(info: ClassInfo, attr: str) -> cst.Call:
     calls = [
         c
         for c in m.findall(info.attrs.get(attr, cst.Name("None")), m.Call())
-        if code(c.func) in ("nn.Linear", "torch.nn.Linear")
+        if code(c.func) in LINEARS
     ]
     if len(calls) != 1:
         raise PatternRefused(f"self.{attr} is not built from one nn.Linear")

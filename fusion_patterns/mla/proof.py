@@ -8,8 +8,13 @@ written out on its own weights.
 
 from __future__ import annotations
 
-from ..base import PatternRefused, code
-from .match import MLASpec
+from ..base import PatternRefused, code, refused_by
+from .match import NAME, MLASpec
+
+
+def _neox(spec: MLASpec, module, config) -> bool:
+    """The rope style the source takes for this module and config."""
+    return bool(eval(code(spec.neox), {"self": module, "config": config}))  # noqa: S307
 
 
 def prove(spec: MLASpec, module, call: dict, config, rope_parameters: dict) -> None:
@@ -21,7 +26,7 @@ def prove(spec: MLASpec, module, call: dict, config, rope_parameters: dict) -> N
         raise PatternRefused(
             f"rope type {rope_parameters['rope_type']!r} for latent attention is not emitted yet"
         )
-    neox = bool(eval(code(spec.neox), {"self": module, "config": config}))  # noqa: S307
+    neox = _neox(spec, module, config)
     hidden = call["hidden_states"]
     S = hidden.shape[1]
     rope = getattr(module, spec.rope_dim)
@@ -120,71 +125,89 @@ def _source_rope(model, call: dict):
     raise PatternRefused("the module computing its position embeddings is not found")
 
 
+def _scaled_case(model, inst, rope_module, call: dict, source_type: str, case: dict):
+    """(config, the source attention rebuilt with the scaled rope, its output on the
+    tiny model's input) for one parameter case."""
+    import copy
+
+    import torch
+
+    config = copy.deepcopy(model.config)
+    original = config.max_position_embeddings
+    config.max_position_embeddings = int(original * case["factor"])
+    config.rope_parameters = {
+        **config.rope_parameters,
+        **case,
+        "rope_type": source_type,
+        "original_max_position_embeddings": original,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    }
+    module = type(inst)(config, inst.layer_idx).eval()
+    module.load_state_dict(inst.state_dict())
+    hidden = call["hidden_states"]
+    with torch.no_grad():
+        embeddings = type(rope_module)(config)(
+            hidden, torch.arange(hidden.shape[1])[None]
+        )
+        got = module(**{**call, "position_embeddings": embeddings})[0][0]
+    return config, module, got
+
+
+def _computes(spec: MLASpec, case, target: str, x) -> None:
+    """Raises unless MLA with vLLM's `target` rope computes the rebuilt source's output
+    on the sequence `x` [tokens, hidden]."""
+    import torch
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from ..dataflow import require_close
+
+    config, module, got = case
+    S = got.shape[0]
+    positions = torch.arange(S)
+    vllm_rope = get_rope(
+        getattr(module, spec.rope_dim),
+        max_position=config.max_position_embeddings,
+        rope_parameters={**config.rope_parameters, "rope_type": target},
+        is_neox_style=_neox(spec, module, config),
+        dtype=torch.float32,
+    )
+
+    def rotate(q, k):
+        shape = q.shape
+        q, k = vllm_rope.forward_native(positions, q.reshape(S, -1), k.reshape(S, -1))
+        return q.view(shape), k
+
+    want = written_out(spec, module, x, config, rotate)
+    require_close(want, got, f"{spec.class_name} with {target} rope")
+
+
 def scaled_ropes(
     spec: MLASpec, model, inst, call: dict
 ) -> tuple[dict[str, str], dict[str, str]]:
     """{source rope type: vLLM rope type} for each scaled rope the source module,
     rebuilt with it, computes as MLA with vLLM's rope of that type (on every case),
     and {source rope type: why none does} for the others."""
-    import copy
-
-    import torch
-    from vllm.model_executor.layers.rotary_embedding import get_rope
-
-    from ..dataflow import require_close
-
-    neox = bool(
-        eval(code(spec.neox), {"self": inst, "config": model.config})
-    )  # noqa: S307
     rope_module = _source_rope(model, call)
-    hidden = call["hidden_states"]
-    S = hidden.shape[1]
-    positions = torch.arange(S)
     out, why = {}, {}
     for source_type, targets in SCALED_ROPES.items():
+        try:  # the source side once per case, whichever vLLM rope it is held against
+            cases = [
+                _scaled_case(model, inst, rope_module, call, source_type, case)
+                for case in YARN_CASES
+            ]
+        except Exception as exc:  # noqa: BLE001 - the source cannot be rebuilt so
+            why[source_type] = refused_by(exc, NAME, spec.class_name, "rope").reason
+            continue
         for target in targets:
             try:
-                for case in YARN_CASES:
-                    config = copy.deepcopy(model.config)
-                    original = config.max_position_embeddings
-                    config.max_position_embeddings = int(original * case["factor"])
-                    config.rope_parameters = {
-                        **config.rope_parameters,
-                        **case,
-                        "rope_type": source_type,
-                        "original_max_position_embeddings": original,
-                        "beta_fast": 32,
-                        "beta_slow": 1,
-                    }
-                    module = type(inst)(config, inst.layer_idx).eval()
-                    module.load_state_dict(inst.state_dict())
-                    rope = type(rope_module)(config)
-                    with torch.no_grad():
-                        embeddings = rope(hidden, positions[None])
-                        got = module(**{**call, "position_embeddings": embeddings})[0]
-                    params = {**config.rope_parameters, "rope_type": target}
-                    vllm_rope = get_rope(
-                        getattr(inst, spec.rope_dim),
-                        max_position=config.max_position_embeddings,
-                        rope_parameters=params,
-                        is_neox_style=neox,
-                        dtype=torch.float32,
-                    )
-
-                    def rotate(q, k, vllm_rope=vllm_rope):
-                        shape = q.shape
-                        q, k = vllm_rope.forward_native(
-                            positions, q.reshape(S, -1), k.reshape(S, -1)
-                        )
-                        return q.view(shape), k
-
-                    want = written_out(spec, module, hidden[0], config, rotate)
-                    require_close(want, got[0], f"{spec.class_name} with {target} rope")
+                for case in cases:
+                    _computes(spec, case, target, call["hidden_states"][0])
             except (
                 Exception
             ) as exc:  # noqa: BLE001 - this vLLM rope does not compute it
-                text = str(exc).splitlines()[0] if str(exc) else ""
-                why.setdefault(source_type, f"{target}: {type(exc).__name__}: {text}")
+                reason = refused_by(exc, NAME, spec.class_name, "rope").reason
+                why.setdefault(source_type, f"{target}: {reason}")
                 continue
             out[source_type] = target
             why.pop(source_type, None)
