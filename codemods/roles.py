@@ -120,31 +120,49 @@ def _multimodal(config_cls) -> bool:
         return bool(getattr(config_cls, "sub_configs", None))
 
 
+def _outermost(lists) -> list:
+    """(path, list) pairs not inside another of them: a list inside a layer (StableLM's
+    per-head q/k norms, as many as the tiny config's layers) is not the layer list."""
+    lists = list(lists)
+    return [
+        (path, mod)
+        for path, mod in lists
+        if not any(path.startswith(other + ".") for other, _ in lists)
+    ]
+
+
 def find(source: ModelSource, pymodule, causal_cls, probe: Probe) -> Roles:
     import torch.nn as nn
     from transformers import PreTrainedModel
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
     classes = source.classes
     model, config = probe.model, probe.config
     causal = classes[causal_cls.__name__]
     n_layers = getattr(config, "num_hidden_layers", None)
-    lists = [
+    lists = _outermost(
         (path, mod)
         for path, mod in model.named_modules()
         if isinstance(mod, nn.ModuleList)
         and len(mod) == n_layers
         and path.count(".") >= 1
-    ]
-    # a list inside a layer (StableLM's per-head q/k norms, as many as the tiny
-    # config's layers) is not the layer list
-    lists = [
-        (path, mod)
-        for path, mod in lists
-        if not any(path.startswith(other + ".") for other, _ in lists)
-    ]
+    )
+    what = f"lists of {n_layers} layers"
+    if not lists:
+        # fewer layers than the config counts (LongCat-Flash counts its two attention
+        # sublayers per layer): the one list of transformers' decoder layers
+        what = f"lists of decoder layers and none of {n_layers}"
+        lists = _outermost(
+            (path, mod)
+            for path, mod in model.named_modules()
+            if isinstance(mod, nn.ModuleList)
+            and len(mod)
+            and all(isinstance(x, GradientCheckpointingLayer) for x in mod)
+        )
     if len(lists) != 1:
+        where = f" ({', '.join(p for p, _ in lists)})" if lists else ""
         raise CodemodError(
-            f"cannot generate: {causal.name} holds {len(lists)} lists of {n_layers} layers, expected one"
+            f"cannot generate: {causal.name} holds {len(lists)} {what}{where}, expected one"
         )
     layers_path, layer_list = lists[0]
     chain = layers_path.split(".")[:-1]

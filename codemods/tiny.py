@@ -230,7 +230,7 @@ def _fit_counts(values: dict, fields: dict, layers: int) -> None:
     kinds are built; vocabularies beside the main one (its per-layer input
     embeddings' `vocab_size_per_layer_input`) the tiny vocabulary; an experts' top-k
     under its own name, unset where the experts are off by default (Gemma 4's
-    `top_k_experts`), the tiny top-k."""
+    `top_k_experts`), the tiny top-k; other expert counts the tiny one."""
     for name, default in fields.items():
         if name in values:
             continue
@@ -249,6 +249,48 @@ def _fit_counts(values: dict, fields: dict, layers: int) -> None:
                 values[offset] = 1
         elif "vocab_size" in name and default > VOCAB:
             values[name] = VOCAB
+        elif _counts_experts(name) and default > SIZES["num_experts"]:
+            # experts under the config's own name (LongCat-Flash's identity experts,
+            # `zero_expert_num`, 256 beside the routed ones): the tiny expert count
+            values[name] = SIZES["num_experts"]
+
+
+def _counts_experts(name: str) -> bool:
+    """A field counting a kind of expert (not a top-k, a group, or a shared expert)."""
+    return (
+        "expert" in name
+        and "num" in name
+        and not any(w in name for w in ("per_tok", "shared", "group", "top"))
+    )
+
+
+def _through_properties(config_cls, fields: dict) -> dict:
+    """Sizes a config class derives through a property with a setter instead of a
+    field (LongCat-Flash's `num_hidden_layers`, twice its `num_layers`): the fields
+    setting the property on a default instance changes."""
+    out: dict = {}
+    for name, size in SIZES.items():
+        prop = getattr(config_cls, name, None)
+        if name in fields or not isinstance(prop, property) or prop.fset is None:
+            continue
+        try:
+            config = config_cls()
+            setattr(config, name, size)
+            after = config.to_dict()
+        except Exception:  # noqa: BLE001 - a setter that refuses the tiny size
+            continue
+        out.update({k: v for k, v in after.items() if fields.get(k) != v})
+    return out
+
+
+def _layer_count(config_cls, values: dict) -> int | None:
+    """The tiny model's layer count, under its field or through the class's property."""
+    if "num_hidden_layers" in values:
+        return values["num_hidden_layers"]
+    try:
+        return getattr(config_cls(**values), "num_hidden_layers", None)
+    except Exception:  # noqa: BLE001 - values that do not validate yet
+        return None
 
 
 def tiny_values(
@@ -260,6 +302,7 @@ def tiny_values(
     # sizes under the config's own field names (GPT-2's n_embd for hidden_size, ...)
     alias = getattr(config_cls, "attribute_map", {}) or {}
     values = {alias.get(k, k): v for k, v in SIZES.items() if alias.get(k, k) in fields}
+    values.update(_through_properties(config_cls, fields))
     fit_latent_attention(values, fields)
     if "intermediate_size" in values and any(k in fields for k in EXPERT_COUNTS):
         values["intermediate_size"] = EXPERT_INTERMEDIATE
@@ -278,8 +321,8 @@ def tiny_values(
         values["layer_types"] = mixed_layer_types(layer_kinds)
         values["num_hidden_layers"] = len(values["layer_types"])
     fit_layer_kinds(values, fields, alias.get("layer_types"))
-    if "num_hidden_layers" in values:
-        _fit_counts(values, fields, values["num_hidden_layers"])
+    if layers := _layer_count(config_cls, values):
+        _fit_counts(values, fields, layers)
     ids = {k: fields.get(k) for k in TOKEN_IDS}
     _clamp_token_ids(ids, VOCAB)  # default ids of a full vocabulary (Phi-3's pad 32000)
     values.update({k: v for k, v in ids.items() if v != fields.get(k)})

@@ -117,3 +117,44 @@ def test_a_kind_placed_every_period_layers_is_built_in_the_tiny_depth():
     assert set(config.layers_block_type) == {"mamba", "attention"}
     assert (values["attn_layer_period"], values["attn_layer_offset"]) == (2, 1)
     assert "expert_layer_period" not in values
+
+
+def test_a_layer_count_set_through_a_property_and_experts_under_their_own_name():
+    # LongCat-Flash derives `num_hidden_layers` (a property with a setter) as twice its
+    # `num_layers` field (28: the tiny rules did not shrink it), and adds 256 identity
+    # experts (`zero_expert_num`) to each router and stacked gate/up parameter:
+    # 675M parameters, refused by the size guard
+    cls = _causal("modeling_longcat_flash.py")
+    values = tiny.tiny_values(cls.config_class, None, tiny.source_layer_kinds(cls))
+    config = cls.config_class(**values)
+    assert config.num_hidden_layers == tiny.SIZES["num_hidden_layers"]
+    assert values["num_layers"] == tiny.SIZES["num_hidden_layers"] // 2
+    assert values["zero_expert_num"] == tiny.SIZES["num_experts"]
+    from codemods.tiny_model import check_runs
+
+    check_runs(cls, values)  # raises where the model is large or does not run
+
+
+def test_a_layer_list_shorter_than_the_configs_count_is_found_by_its_layers():
+    # LongCat-Flash's config counts two attention sublayers per decoder layer: no list
+    # holds `num_hidden_layers` layers, its one list of decoder layers is the layers;
+    # HRM's two stacks of decoder layers are two lists, named in the refusal
+    from codemods.errors import CodemodError
+
+    found = _roles("modeling_longcat_flash.py")
+    assert found.layers_attr == "layers"
+    assert found.base.name == "LongcatFlashModel"
+    with pytest.raises(CodemodError, match=r"2 lists of decoder layers .*H_module"):
+        _roles("modeling_hrm_text.py")
+
+
+def _roles(name: str):
+    """source -> probe -> roles, without running the patterns."""
+    from codemods import loading, probe, roles
+    from codemods.source import load
+
+    src = load(name)
+    module = loading.load_module(src)
+    causal = roles.causal_class(module, src.classes, src)
+    found = probe.probe(module, src.classes, causal, None)
+    return roles.find(src, module, causal, found)
