@@ -79,7 +79,7 @@ def _emit(model: claims.Model) -> tuple[Plan, str]:
     plan = Plan(
         source=model.source,
         causal_name=model.roles.causal.name,
-        records=[r for c in model.claims for r in c.records],
+        records=[r for c in model.claims for r in c.records] + copied.records,
         refusals=model.refusals,
         unfused=copied.unfused,
     )

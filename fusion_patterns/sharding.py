@@ -23,13 +23,55 @@ TOLERANCE = 1e-5
 PACKED = "colwise_packed_"
 
 
+# a column-parallel linear holding [q; k; v] whole, with fewer kv heads than the query's
+# (GPTBigCode's multi-query `c_attn`): vLLM's QKVParallelLinear, which splits the query
+# heads over the ranks and replicates kv heads on ranks beyond their count
+QKV = "colwise_qkv"
+
+
 def is_column(style: str) -> bool:
-    return style == "colwise" or style.startswith(PACKED)
+    return style in ("colwise", QKV) or style.startswith(PACKED)
 
 
-def candidates(module, plan: dict[str, str]):
-    """`plan`, then each column-parallel linear of it taken as 3 or 2 equal packed parts
-    (the proof tells which the source computes)."""
+def qkv_layout(module, attr: str, head_attrs, kv_attrs) -> tuple[int, int, int] | None:
+    """(query heads, kv heads, head size) where `attr`'s outputs are that many query
+    heads then twice that many kv heads of one size, fewer kv heads than query heads
+    and either a multiple of the ranks or a divisor of them; else None."""
+    q = [getattr(module, a) for a in head_attrs if a not in kv_attrs]
+    kv = [getattr(module, a) for a in kv_attrs]
+    linear = getattr(module, attr, None)
+    if not q or not kv or linear is None or not 0 < kv[0] < q[0]:
+        return None
+    heads, kv_heads = q[0], kv[0]
+    if kv_heads % RANKS and RANKS % kv_heads:
+        return None
+    size, rest = divmod(linear.out_features, heads + 2 * kv_heads)
+    return (heads, kv_heads, size) if size and not rest else None
+
+
+def group_attrs(module, layout, head_attrs) -> list[str]:
+    """The module's integer attributes counting query heads per kv head (transformers'
+    `num_key_value_groups`, read by its eager attention): named so, as a value alone
+    can be a head size too."""
+    heads, kv_heads, _ = layout
+    return [
+        a
+        for a, v in vars(module).items()
+        if type(v) is int
+        and v == heads // kv_heads
+        and "group" in a
+        and a not in head_attrs
+    ]
+
+
+def kv_share(kv_heads: int) -> int:
+    """One rank's kv heads as QKVParallelLinear holds them: a share, or one replica."""
+    return max(1, kv_heads // RANKS)
+
+
+def candidates(module, plan: dict[str, str], head_attrs=(), kv_attrs=()):
+    """`plan`, then each column-parallel linear of it taken as 3 or 2 equal packed parts,
+    or as [q; k; v] with fewer kv heads (the proof tells which the source computes)."""
     yield plan
     for attr, style in plan.items():
         if style != "colwise" or getattr(module, attr, None) is None:
@@ -38,6 +80,8 @@ def candidates(module, plan: dict[str, str]):
         for parts in (3, 2):
             if out % (parts * RANKS) == 0:
                 yield {**plan, attr: f"{PACKED}{parts}"}
+        if qkv_layout(module, attr, head_attrs, kv_attrs):
+            yield {**plan, attr: QKV}
 
 
 def as_linears(module):
@@ -96,16 +140,48 @@ def _row_parallel(linear, rank: int, reduce: _AllReduce):
     return RowParallel()
 
 
-def _shard(module, styles, head_attrs, sinks, rank: int, reduce: _AllReduce):
+def _qkv_rows(t, layout, rank: int):
+    """This rank's rows of a [q; k; v] tensor: its query heads, its kv heads' share or
+    the one kv head it replicates (QKVParallelLinear's split)."""
+    import torch
+
+    heads, kv_heads, size = layout
+    q, k, v = t.split([heads * size, kv_heads * size, kv_heads * size])
+    if kv_heads % RANKS == 0:
+        kv_rows = slice(
+            rank * kv_heads // RANKS * size, (rank + 1) * kv_heads // RANKS * size
+        )
+    else:  # fewer kv heads than ranks: each rank holds the head of its group
+        head = rank * kv_heads // RANKS
+        kv_rows = slice(head * size, (head + 1) * size)
+    return torch.cat([q.chunk(RANKS, 0)[rank], k[kv_rows], v[kv_rows]])
+
+
+def _shard(
+    module, styles, head_attrs, sinks, rank: int, reduce: _AllReduce, kv_attrs=()
+):
     import torch
 
     shard = copy.deepcopy(module)
+    layouts = {
+        a: qkv_layout(module, a, head_attrs, kv_attrs)
+        for a, s in styles.items()
+        if s == QKV
+    }
     for attr, style in styles.items():
         linear = getattr(shard, attr, None)
         if linear is None:  # a layer that does not build it
             continue
         w = linear.weight.data
-        if is_column(style):
+        if style == QKV:
+            layout = layouts[attr]
+            if layout is None:
+                raise ValueError(f"self.{attr} does not hold [q; k; v] heads")
+            linear.weight.data = _qkv_rows(w, layout, rank).clone()
+            if linear.bias is not None:
+                linear.bias.data = _qkv_rows(linear.bias.data, layout, rank).clone()
+            linear.out_features = linear.weight.shape[0]
+        elif is_column(style):
             # a packed projection's parts each split over the ranks (one part: plain)
             parts = int(style.removeprefix(PACKED)) if style != "colwise" else 1
             if w.shape[0] % (parts * RANKS):
@@ -127,8 +203,17 @@ def _shard(module, styles, head_attrs, sinks, rank: int, reduce: _AllReduce):
                     f"self.{attr} has {w.shape[1]} inputs, not divisible by {RANKS}"
                 )
             setattr(shard, attr, _row_parallel(linear, rank, reduce))
+    for layout in filter(None, layouts.values()):
+        # query heads per kv head (`num_key_value_groups`): fewer, where kv heads
+        # are replicated rather than split
+        for attr in group_attrs(module, layout, head_attrs):
+            heads, kv_heads, _ = layout
+            setattr(shard, attr, heads // RANKS // kv_share(kv_heads))
     for attr in head_attrs:
         value = getattr(shard, attr)
+        if layouts and attr in kv_attrs:  # as QKVParallelLinear holds them
+            setattr(shard, attr, kv_share(value))
+            continue
         if value % RANKS:
             raise ValueError(f"self.{attr} = {value} heads, not divisible by {RANKS}")
         setattr(shard, attr, value // RANKS)
@@ -218,17 +303,27 @@ def derive(module, call, kept: set[str] = frozenset()) -> dict[str, str] | str:
     }
 
 
-def widths(module, styles: dict[str, str], head_attrs: list[str]) -> list[str]:
+def widths(
+    module, styles: dict[str, str], head_attrs: list[str], kv_attrs=()
+) -> list[str]:
     """The module's integer attributes that count a sharded width whole (`self.embed_dim`
     in `attn_output.reshape(bsz, tokens, self.embed_dim)`): those equal to a column-
-    parallel linear's outputs, or a row-parallel one's inputs. Candidates only: the
+    parallel linear's outputs, or a row-parallel one's inputs, or a [q; k; v] linear's
+    query width (its kv width too where the kv heads split). Candidates only: the
     proof decides whether dividing them over the ranks computes the same."""
     sizes = set()
     for attr, style in styles.items():
         linear = getattr(module, attr, None)
         if linear is None:  # a layer that does not build it (a kv-shared layer's v)
             continue
-        if is_column(style):
+        if style == QKV:
+            layout = qkv_layout(module, attr, head_attrs, kv_attrs)
+            if layout is not None:
+                heads, kv_heads, size = layout
+                sizes.add(heads * size)
+                if kv_heads % RANKS == 0:
+                    sizes.add(kv_heads * size)
+        elif is_column(style):
             sizes.add(linear.out_features)
             if style.startswith(PACKED):
                 sizes.add(linear.out_features // int(style.removeprefix(PACKED)))
@@ -277,9 +372,11 @@ def _first(out):
 
 
 def prove(
-    module, styles: dict[str, str], head_attrs: list[str], call, sinks=None
+    module, styles: dict[str, str], head_attrs: list[str], call, sinks=None, kv_attrs=()
 ) -> str | None:
-    """None when `module` computes the same sharded over two ranks, else the reason."""
+    """None when `module` computes the same sharded over two ranks, else the reason.
+    `kv_attrs`: the kv head counts among `head_attrs` (replicated where a [q; k; v]
+    linear holds fewer kv heads than ranks)."""
     import threading
 
     import torch
@@ -298,7 +395,9 @@ def prove(
     def rank_run(rank: int):
         try:
             with torch.no_grad():
-                shard = _shard(module, sharded, head_attrs, sinks, rank, reduce)
+                shard = _shard(
+                    module, sharded, head_attrs, sinks, rank, reduce, kv_attrs
+                )
                 rank_args, rank_kwargs = _rank_inputs(module, head_attrs, call, rank)
                 outs[rank] = _first(shard(*rank_args, **rank_kwargs))
         except Exception as exc:  # noqa: BLE001 - a reshape that counts the whole

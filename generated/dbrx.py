@@ -10,13 +10,13 @@
 # Fusion report:
 #   Fused: mlp.w1 + mlp.v1 + mlp.w2 (DbrxExperts) -> experts (FusedMoE, external routing: the block's own router picks the experts, in self.ffn.experts)
 #   Fused: apply_rotary_pos_emb (DbrxAttention) -> rotary_emb (get_rope, NeoX halves)
+#   Fused: Wqkv (DbrxAttention) -> Wqkv (QKVParallelLinear, q|k|v packed in the checkpoint: its 4 query heads split over the ranks, its one kv head replicated on each rank)
 #   Unfused: decoder layer (DbrxBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (DbrxFFN): copied from the source
 #   Unfused: module (DbrxRouter): copied from the source
 #   Unfused: module (DbrxNormAttentionNorm): copied from the source
 #   Unfused: attention (DbrxAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: module (DbrxRotaryEmbedding): copied from the source
-#   Unfused: tensor parallel (DbrxAttention): replicated: sharded over 2 ranks it fails (ValueError: self.num_key_value_heads = 1 heads, not divisible by 2)
 #   Unfused: tensor parallel (DbrxRouter): replicated on every rank: layer (transformers' TP plan has no entry for them, and their dataflow gives none: no linear feeds another on the way to its output)
 #   Refused: q/k/v projections (DbrxAttention): `query_states` between a projection and attention
 #   Refused: residual add + norm (DbrxBlock): `resid_states, hidden_states = self.norm_attn_norm(` does not save the residual stream
@@ -33,10 +33,14 @@ from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import (
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -164,15 +168,17 @@ class DbrxAttention(nn.Module):
         self.rope_theta = attn_config.rope_theta
         self.is_causal = True
 
-        self.Wqkv = ReplicatedLinear(
+        self.Wqkv = QKVParallelLinear(
             self.hidden_size,
-            self.hidden_size + 2 * self.num_key_value_heads * self.head_dim,
+            self.head_dim,
+            self.num_heads,
+            self.num_key_value_heads,
             bias=False,
             quant_config=quant_config,
             prefix=f"{prefix}.Wqkv",
             return_bias=False,
         )
-        self.out_proj = ReplicatedLinear(
+        self.out_proj = RowParallelLinear(
             self.hidden_size,
             self.hidden_size,
             bias=False,
@@ -186,6 +192,12 @@ class DbrxAttention(nn.Module):
             is_neox_style=True,
             rope_parameters=config.rope_parameters,
         )
+        # tensor parallel: this rank holds its share of the query heads and of the
+        # kv heads, or one kv head replicated where the ranks outnumber them (as
+        # QKVParallelLinear holds them; the source's reshapes count heads per rank)
+        tp_size = get_tensor_model_parallel_world_size()
+        self.num_heads = self.num_heads // tp_size
+        self.num_key_value_heads = max(1, self.num_key_value_heads // tp_size)
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -207,6 +219,8 @@ class DbrxAttention(nn.Module):
             per_layer_sliding_window=sliding_window,
             prefix=f"{prefix}.attn",
         )
+        # tensor parallel: the source's reshapes count this rank's width
+        self.hidden_size = self.hidden_size // tp_size
 
     def forward(
         self,
@@ -531,7 +545,7 @@ class DbrxModel(nn.Module):
 
 class DbrxForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {}
+    packed_modules_mapping = {"Wqkv": ["Wqkv"]}
     embedding_modules = {"wte": "input_embeddings", "lm_head": "output_embeddings"}
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records

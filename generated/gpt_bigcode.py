@@ -9,10 +9,11 @@
 # ======================================================================================
 # Fusion report:
 #   Fused: ACT2FN[config.activation_function] (GPTBigCodeMLP) -> act (act_fn(config.activation_function), vLLM's op for the 14 names one computes)
+#   Fused: c_attn (GPTBigCodeAttention) -> c_attn (QKVParallelLinear, q|k|v packed in the checkpoint: its 4 query heads split over the ranks, its one kv head replicated on each rank; whole on every rank where not `config.multi_query`)
 #   Unfused: decoder layer (GPTBigCodeBlock): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (GPTBigCodeMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (GPTBigCodeAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
-#   Unfused: tensor parallel (GPTBigCodeAttention): replicated: sharded over 2 ranks it fails (ValueError: self.kv_heads = 1 heads, not divisible by 2)
+#   Unfused: tensor parallel (GPTBigCodeAttention): replicated on every rank: c_attn, q_attn (built so in a branch the tiny model does not take (the proven construction of the same layer is sharded))
 #   Refused: gate/up projections (GPTBigCodeMLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: q/k/v projections (GPTBigCodeAttention): `curr_past_key_values.layers[self.layer_idx].keys` between a projection and attention
 #   Refused: residual add + norm (GPTBigCodeBlock): self.ln_1 is not an RMSNorm
@@ -30,11 +31,12 @@ from transformers.activations import ACT2FN
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
+    QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
@@ -166,19 +168,23 @@ class GPTBigCodeAttention(nn.Module):
                 return_bias=False,
             )
         else:
-            self.c_attn = ReplicatedLinear(
+            self.c_attn = QKVParallelLinear(
                 self.embed_dim,
-                self.embed_dim + 2 * self.kv_dim,
+                self.head_dim,
+                self.num_heads,
+                self.kv_heads,
                 bias=True,
+                disable_tp=not config.multi_query,
                 quant_config=quant_config,
                 prefix=f"{prefix}.c_attn",
                 return_bias=False,
             )
 
-        self.c_proj = ReplicatedLinear(
+        self.c_proj = RowParallelLinear(
             self.embed_dim,
             self.embed_dim,
             bias=True,
+            disable_tp=not config.multi_query,
             quant_config=quant_config,
             prefix=f"{prefix}.c_proj",
             return_bias=False,
@@ -186,6 +192,12 @@ class GPTBigCodeAttention(nn.Module):
 
         self.attn_dropout = config.attn_pdrop
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
+        # tensor parallel: this rank holds its share of the query heads and of the
+        # kv heads, or one kv head replicated where the ranks outnumber them (as
+        # QKVParallelLinear holds them; the source's reshapes count heads per rank)
+        tp_size = get_tensor_model_parallel_world_size() if config.multi_query else 1
+        self.num_heads = self.num_heads // tp_size
+        self.kv_heads = max(1, self.kv_heads // tp_size)
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -207,6 +219,9 @@ class GPTBigCodeAttention(nn.Module):
             per_layer_sliding_window=sliding_window,
             prefix=f"{prefix}.attn",
         )
+        # tensor parallel: the source's reshapes count this rank's width
+        self.embed_dim = self.embed_dim // tp_size
+        self.split_size = self.split_size // tp_size
 
     def forward(
         self,
@@ -458,7 +473,7 @@ class GPTBigCodeModel(nn.Module):
 
 class GPTBigCodeForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {}
+    packed_modules_mapping = {"c_attn": ["c_attn"]}
     embedding_modules = {"wte": "input_embeddings", "lm_head": "output_embeddings"}
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records

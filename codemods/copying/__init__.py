@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 from dataclasses import dataclass, field
 
-from fusion_patterns.base import CLASS, CONSTRUCTION, REWRITE, Claim
+from fusion_patterns.base import CLASS, CONSTRUCTION, REWRITE, Claim, FusionRecord
 from fusion_patterns import sharding
 
-from . import head_rows, positions
+from . import head_rows, packed_qkv, positions
 from .classes import CONV1D, LINEARS, Context, prefix_classes
 from .classes import rewrite_class
-from .config_branches import linear_reads
+from .config_branches import linear_reads, taken_branches
 from .definitions import Definitions
 
 if TYPE_CHECKING:
@@ -54,6 +54,24 @@ class Copied:
     pieces: dict[str, str]
     context: Context
     unfused: list[Unfused] = field(default_factory=list)
+    # linears the copy builds as a fused vLLM layer (a packed q/k/v: QKVParallelLinear)
+    records: list[FusionRecord] = field(default_factory=list)
+
+
+@dataclass
+class TensorParallel:
+    """How the copied classes shard (`_tp_styles`)."""
+
+    styles: dict[str, dict[str, str]]  # class -> {linear: style}
+    notes: list[Unfused]
+    no_plan: dict[str, str]  # class -> why its dataflow gives no plan
+    # class -> its attributes counting a sharded width, divided over the ranks
+    divided: dict[str, list[str]] = field(default_factory=dict)
+    # class -> the config branches its sharding is proven on, as `__init__` tests them
+    conditions: dict[str, str] = field(default_factory=dict)
+    # class -> {linear: its out_features expressions that build the [q; k; v] proven}
+    qkv_outputs: dict[str, dict[str, set[str]]] = field(default_factory=dict)
+    records: list[FusionRecord] = field(default_factory=list)
 
 
 def _claims(model: Model, cls: str, *kinds: str) -> list[Claim]:
@@ -62,7 +80,8 @@ def _claims(model: Model, cls: str, *kinds: str) -> list[Claim]:
 
 def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> Copied:
     roles, classes = model.roles, model.classes
-    styles, tp_notes, no_plan, divided = _tp_styles(model)
+    tp = _tp_styles(model)
+    styles, tp_notes, no_plan = tp.styles, tp.notes, tp.no_plan
     whole = {c.class_name: c for c in model.claims if c.kind == CLASS}
     constructions = {c.class_name: c for c in model.claims if c.kind == CONSTRUCTION}
     emitted = [
@@ -88,7 +107,9 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
         | rebased,
         attention={n: s for n, s in roles.attention.items() if n not in whole},
         styles=styles,
-        divided=divided,
+        divided=tp.divided,
+        tp_conditions=tp.conditions,
+        qkv_outputs=tp.qkv_outputs,
         kept_linears=model.kept_linears,
         branch_reads=model.branch_reads,
         sharded_attention={
@@ -146,6 +167,7 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
     return Copied(
         pieces=pieces,
         context=ctx,
+        records=tp.records,
         unfused=unfused
         + tp_notes
         + _replicated(
@@ -296,21 +318,16 @@ def _not_vllm_linears(model: Model, cls: str, plan: dict[str, str]) -> str:
     )
 
 
-def _tp_styles(
-    model: Model,
-) -> tuple[
-    dict[str, dict[str, str]], list[Unfused], dict[str, str], dict[str, list[str]]
-]:
+def _tp_styles(model: Model) -> TensorParallel:
     """{class: {linear: style}}: the claims' own, and for every other copied class with
     linears transformers' plan (or, where it has no entry, the plan its dataflow gives)
     where sharding the class over two simulated ranks is proven; a class that fails
-    stays replicated, with a report line. Also {class: why its dataflow gives no plan}
-    and {class: its attributes counting a sharded width, divided over the ranks}."""
+    stays replicated, with a report line."""
     fixed = {c.class_name: c.styles for c in model.claims if c.styles}
     styles: dict[str, dict[str, str]] = dict(fixed)
     notes: list[Unfused] = []
     no_plan: dict[str, str] = {}
-    divided: dict[str, list[str]] = {}
+    out = TensorParallel(styles, notes, no_plan)
     skip = {model.roles.causal.name, model.roles.base.name}
     for n in model.roles.wanted:
         if n in fixed or n in skip or model.claimed_whole(n):
@@ -337,34 +354,57 @@ def _tp_styles(
             continue
         spec = model.roles.attention.get(n)
         heads = spec.head_attrs if spec else []
+        kv = spec.kv_head_attrs if spec else []
         sinks = spec.sinks if spec else None
         why = None
 
         def proven(option, counted):  # on every kind of instance the model builds
             for kind, kind_call in kinds:
-                if failed := sharding.prove(kind, option, counted, kind_call, sinks):
+                if failed := sharding.prove(
+                    kind, option, counted, kind_call, sinks, kv_attrs=kv
+                ):
                     return failed
             return None
 
-        for option in sharding.candidates(inst, plan):
+        for option in sharding.candidates(inst, plan, heads, kv):
             failed = proven(option, heads)
             wide = sorted(
-                set().union(*(sharding.widths(k, option, heads) for k, _ in kinds))
+                set().union(*(sharding.widths(k, option, heads, kv) for k, _ in kinds))
             )
             wide = _own(wide, model.source.text)
             if failed is not None and wide:
                 # the class counts a sharded width whole: this rank's share, if proven
                 if proven(option, heads + wide) is None:
-                    failed, divided[n] = None, wide
+                    failed, out.divided[n] = None, wide
             if failed is None:
                 why, plan = None, option
                 break
             why = why or failed
+        if why is None and sharding.QKV in plan.values():
+            why = _packed_qkv(out, model, n, inst, plan, spec)
         if why is None:
             styles[n] = plan
         else:
             notes.append(Unfused(n, "tensor parallel", f"replicated: {why}"))
-    return styles, notes, no_plan, divided
+    return out
+
+
+def _packed_qkv(out: TensorParallel, model: Model, n: str, inst, plan, spec):
+    """Record the [q; k; v] linear of `n` proven sharded as QKVParallelLinear: the
+    construction that builds it and the config branches the proof covers (sharded where
+    a config takes them too, whole on every rank elsewhere); or why not."""
+    taken = taken_branches(model.classes[n], inst)
+    if taken is None:
+        return "its forward branches on the config where the tiny model cannot say which way"
+    attrs = [a for a, s in plan.items() if s == sharding.QKV]
+    outputs = {a: packed_qkv.built_outputs(model.classes[n], a, inst) for a in attrs}
+    if not all(outputs.values()):
+        return "the construction of its [q; k; v] linear is not read from the source"
+    if taken:
+        out.conditions[n] = taken
+    out.qkv_outputs[n] = outputs
+    out.records += [packed_qkv.record(n, a, inst, spec, taken) for a in attrs]
+    return None
 
 
 def _instance_kinds(model: Model, cls: str) -> list[tuple[object, object]]:

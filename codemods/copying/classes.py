@@ -30,7 +30,7 @@ from fusion_patterns.base import (
     with_positions_param,
 )
 from fusion_patterns.emitting import with_keyword
-from fusion_patterns.sharding import PACKED
+from fusion_patterns.sharding import PACKED, QKV
 
 from ..errors import CodemodError
 from ..attention_calls import interface_name
@@ -78,6 +78,11 @@ class Context:
     # class -> its attributes counting a sharded width (`self.embed_dim`), divided
     # over the TP ranks at the end of `__init__`
     divided: dict[str, list[str]] = field(default_factory=dict)
+    # class -> the config branches its sharding is proven on (`(config.multi_query)`):
+    # its linears and head counts split where a config takes them, whole elsewhere
+    tp_conditions: dict[str, str] = field(default_factory=dict)
+    # class -> {linear: the out_features expressions building the [q; k; v] proven}
+    qkv_outputs: dict[str, dict[str, set[str]]] = field(default_factory=dict)
     # linear attributes read as `.weight`/`.bias`: kept as nn.Linear
     kept_linears: set[str] = field(default_factory=set)
     # class -> the linears it reads as weights on a branch its config decides
@@ -362,12 +367,23 @@ class _InitRewrite(cst.CSTTransformer):
         style = self.ctx.styles.get(self.info.name, {}).get(attr or "", "replicate")
         outs = code(out_size)
         part = _part(out_size, style)
+        spec = self.ctx.attention.get(self.info.name)
         if part is not None:  # `3 * width` split in three: vLLM's merged linear
             cls, extra = "MergedColumnParallelLinear", ""
             outs = f"[{part}] * {style.removeprefix(PACKED)}"
+        elif (
+            style == QKV
+            and spec is not None
+            and outs in self.ctx.qkv_outputs.get(self.info.name, {}).get(attr, ())
+        ):  # [q; k; v]: the query heads split, the kv heads split or replicated
+            cls, extra = "QKVParallelLinear", ""
+            outs = f"{spec.head_size}, {spec.heads}, {spec.kv_heads}"
         else:  # another construction of a packed attr than the one proven: whole
-            style = "replicate" if style.startswith(PACKED) else style
+            style = "replicate" if style.startswith(PACKED) or style == QKV else style
             cls, extra = STYLES.get(style, STYLES["replicate"])
+        taken = self.ctx.tp_conditions.get(self.info.name)
+        if style != "replicate" and taken:  # proven on the config branches it takes
+            extra += f"disable_tp=not {taken if ' ' not in taken else f'({taken})'}, "
         text = (
             f"{cls}({code(in_size)}, {outs}, bias={code(bias)}, {extra}"
             f'quant_config=quant_config, prefix=f"{{prefix}}.{path}", return_bias=False)'
@@ -546,6 +562,8 @@ def _rewrite_init(
             info.name in ctx.sharded_attention,
             ctx.attention_name,
             ctx.merged_heads.get(info.name),
+            replicated_kv=QKV in ctx.styles.get(info.name, {}).values(),
+            taken=ctx.tp_conditions.get(info.name, ""),
         )
         body = _append(body, lines)
     if info.name in ctx.branch_reads:
@@ -564,7 +582,11 @@ def _rewrite_init(
                 *(
                     []
                     if has_tp_size
-                    else ["tp_size = get_tensor_model_parallel_world_size()"]
+                    else [
+                        vllm_attention.tp_size_line(
+                            ctx.tp_conditions.get(info.name, "")
+                        )
+                    ]
                 ),
                 *(f"self.{a} = self.{a} // tp_size" for a in ctx.divided[info.name]),
             ],

@@ -239,3 +239,27 @@ def _weight_reads(info: ClassInfo) -> tuple[set[str], BranchRead | None]:
     return anywhere, BranchRead(
         code(joined), code(from_config), tuple(sorted(branched))
     )
+
+
+def taken_branches(info: ClassInfo, instance) -> str | None:
+    """The branches of `info`'s forward the config decides (`if self.multi_query:`), each
+    as `instance`, built from the tiny config, takes it, joined, read from the config as
+    `__init__` can test them (`config.multi_query`): what a proof run on `instance`
+    covers. "" where the forward has none; None where one cannot be read."""
+    if info.forward is None:
+        return ""
+    values = _config_values(info)
+    tests = []
+    for node in m.findall(info.forward, m.If() | m.IfExp()):
+        if not _decided(node.test, values):
+            continue
+        try:
+            taken = bool(eval(code(node.test), {"self": instance}))  # noqa: S307
+        except Exception:  # noqa: BLE001 - an attribute the instance lacks
+            return None
+        read = node.test.visit(_FromConfig(values))
+        text = code(read.with_changes(lpar=[], rpar=[]))
+        if not isinstance(read, (cst.Name, cst.Attribute)):
+            text = f"({text})"
+        tests.append(text if taken else f"not {text}")
+    return " and ".join(dict.fromkeys(tests))

@@ -28,13 +28,26 @@ def vllm_attention(attn: Attention, query: torch.Tensor, key: torch.Tensor, valu
 '''
 
 
+def tp_size_line(taken: str = "") -> str:
+    """`tp_size`: the ranks a class's heads and widths split over; 1 for a config that
+    does not take the branches its sharding is proven on (`taken`)."""
+    if not taken:
+        return "tp_size = get_tensor_model_parallel_world_size()"
+    return f"tp_size = get_tensor_model_parallel_world_size() if {taken} else 1"
+
+
 def init_lines(
     spec: AttentionSpec,
     sharded: bool,
     attention_name: str,
     merged_heads: tuple[str, str] | None,
+    replicated_kv: bool = False,
+    taken: str = "",
 ) -> list[str]:
-    """What `__init__` gains: this rank's head counts, the sinks' loader, the `Attention`."""
+    """What `__init__` gains: this rank's head counts, the sinks' loader, the `Attention`.
+    `replicated_kv`: q/k/v in one QKVParallelLinear, whose ranks beyond the kv heads'
+    count each hold a replica of one; `taken`: the config branches the sharding is
+    proven on."""
     heads, kv = spec.heads, spec.kv_heads
     lines = []
     if merged_heads is not None:
@@ -46,11 +59,27 @@ def init_lines(
         ]
         if fitted:
             lines += ["# the source's reshapes count this rank's heads", *fitted]
+    elif sharded and replicated_kv:
+        lines += [
+            "# tensor parallel: this rank holds its share of the query heads and of the",
+            "# kv heads, or one kv head replicated where the ranks outnumber them (as",
+            "# QKVParallelLinear holds them; the source's reshapes count heads per rank)",
+            tp_size_line(taken),
+        ]
+        for attr in spec.head_attrs:
+            if attr in spec.kv_head_attrs:
+                lines.append(f"self.{attr} = max(1, self.{attr} // tp_size)")
+            else:
+                lines.append(f"self.{attr} = self.{attr} // tp_size")
+        if not heads.startswith("self.") or heads[5:] not in spec.head_attrs:
+            heads = f"{heads} // tp_size"
+        if not kv.startswith("self.") or kv[5:] not in spec.head_attrs:
+            kv = f"max(1, {kv} // tp_size)"
     elif sharded:
         lines += [
             "# tensor parallel: q/k/v are column-parallel, so this rank holds its share",
             "# of the heads (the source's reshapes count heads per rank)",
-            "tp_size = get_tensor_model_parallel_world_size()",
+            tp_size_line(taken),
             f"assert ({spec.kv_heads}) % tp_size == 0, "
             '"the kv heads must divide over the tensor-parallel ranks"',
         ]
