@@ -777,8 +777,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.all and not args.json:
         print(table([r for _, r in results]))
     for _, result in results:
-        print(json.dumps(result))
+        print(json.dumps(result, default=_plain))
     return max(code for code, _ in results)
+
+
+def _plain(value):
+    """A config object in a result (a sub-config an override set) as its fields."""
+    to_dict = getattr(value, "to_dict", None)
+    return to_dict() if callable(to_dict) else str(value)
 
 
 # vLLM's engine process says only this when a worker (TP/PP > 1) fails to start; the

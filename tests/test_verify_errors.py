@@ -32,3 +32,17 @@ def test_other_errors_and_logs_without_a_worker_exception_are_kept():
     )
     engine_only = LOG.splitlines()[-1]
     assert with_root_cause(ENGINE, engine_only) == ENGINE
+
+
+def test_a_sub_config_an_override_set_is_printed_as_its_fields():
+    # `--override attn_config={...}` on DBRX: transformers turns the dict into a
+    # DbrxAttentionConfig in place, which the JSON line raised on
+    import json
+
+    from transformers.models.dbrx.configuration_dbrx import DbrxAttentionConfig
+
+    from codemods.verify import _plain
+
+    result = {"overrides": {"attn_config": DbrxAttentionConfig(kv_n_heads=2)}}
+    line = json.loads(json.dumps(result, default=_plain))
+    assert line["overrides"]["attn_config"]["kv_n_heads"] == 2
