@@ -121,3 +121,19 @@ def test_the_layout_needs_kv_heads_that_divide_or_are_divided_by_the_ranks(kv, w
     module.kv_heads = kv
     module.c_attn = nn.Linear(32, 32 + 2 * kv * 8)
     assert sharding.qkv_layout(module, "c_attn", HEADS, KV) == want
+
+
+def test_branches_in_a_helper_method_are_read_too():
+    # Falcon picks its fused layout in `_split_heads`, not in forward: a proof on the
+    # tiny config's layout covers only the configs taking the same branches
+    from codemods.copying.config_branches import taken_branches
+    from codemods.source import load
+
+    info = load("modeling_falcon.py").classes["FalconAttention"]
+
+    class Built:
+        new_decoder_architecture, multi_query = False, True
+
+    assert taken_branches(info, Built()) == (
+        "not config.new_decoder_architecture and config.multi_query"
+    )

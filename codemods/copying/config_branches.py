@@ -242,15 +242,20 @@ def _weight_reads(info: ClassInfo) -> tuple[set[str], BranchRead | None]:
 
 
 def taken_branches(info: ClassInfo, instance) -> str | None:
-    """The branches of `info`'s forward the config decides (`if self.multi_query:`), each
-    as `instance`, built from the tiny config, takes it, joined, read from the config as
+    """The branches the config decides in `info`'s methods but `__init__` (`if
+    self.multi_query:` in forward, Falcon's layouts in `_split_heads`), each as
+    `instance`, built from the tiny config, takes it, joined, read from the config as
     `__init__` can test them (`config.multi_query`): what a proof run on `instance`
-    covers. "" where the forward has none; None where one cannot be read."""
-    if info.forward is None:
-        return ""
+    covers. "" where there are none; None where one cannot be read."""
     values = _config_values(info)
+    methods = [
+        f
+        for f in m.findall(info.node.body, m.FunctionDef())
+        if f.name.value != "__init__"
+    ]
     tests = []
-    for node in m.findall(info.forward, m.If() | m.IfExp()):
+    ifs = [n for f in methods for n in m.findall(f, m.If() | m.IfExp())]
+    for node in ifs:
         if not _decided(node.test, values):
             continue
         try:
@@ -258,6 +263,8 @@ def taken_branches(info: ClassInfo, instance) -> str | None:
         except Exception:  # noqa: BLE001 - an attribute the instance lacks
             return None
         read = node.test.visit(_FromConfig(values))
+        if not taken and m.matches(read, m.UnaryOperation(operator=m.Not())):
+            read, taken = read.expression, True  # `not (not x)`: x
         text = code(read.with_changes(lpar=[], rpar=[]))
         if not isinstance(read, (cst.Name, cst.Attribute)):
             text = f"({text})"
