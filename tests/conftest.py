@@ -29,11 +29,27 @@ FULL_SWEEP = os.environ.get("CODEMODS_SWEEP") == "1"
 SPAWNS_RANKS = {"test_tp_weights", "test_faithful_tp_weights"}
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("engine") or item.module.__name__ in SPAWNS_RANKS:
             item.add_marker(pytest.mark.xdist_group("engine"))
+            if getattr(config.option, "loadgroup", False) and "@" not in item.nodeid:
+                _in_group(item, "engine")
+
+
+def _in_group(item, group: str) -> None:
+    """What xdist's `loadgroup` does to a marked item's id (`<id>@<group>`, one worker
+    per group): pytest-xdist 3.8 sets `item._nodeid`, which pytest 9 no longer reads (its
+    ids are structured), so the engine tests ran on both workers at once and a module's
+    fixtures were built on each (the mutation suite's 25 generations, twice)."""
+    suffixed = f"{item.nodeid}@{group}"
+    if hasattr(item, "_id"):  # pytest >= 9
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(suffixed)
+    else:
+        item._nodeid = suffixed
 
 
 def run_cli(
