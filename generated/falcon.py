@@ -17,7 +17,7 @@
 #   Unfused: decoder layer (FalconDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (FalconMLP): copied from the source
 #   Unfused: attention (FalconAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5); its keys and values are broadcast from 2 to 4 heads before it and cached as broadcast (2x the KV cache of the grouped layout)
-#   Unfused: tensor parallel (FalconAttention): replicated: sharded over 2 ranks it fails (RuntimeError: shape '[1, 40, -1, 3, 80]' is invalid for input of size 12800)
+#   Unfused: tensor parallel (FalconAttention): sharded where `config.new_decoder_architecture and config.multi_query` (the layout the proof ran), whole on every rank elsewhere
 #   Refused: rotary embedding (FalconAttention): the class computes attention itself (its core becomes vLLM's attention); vLLM's rope is not applied inside such a class
 #   Refused: residual add + norm (FalconDecoderLayer): forward does not end with `return <hidden states>`
 # ======================================================================================
@@ -35,14 +35,10 @@ from transformers.activations import ACT2FN
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
-    ReplicatedLinear,
-    RowParallelLinear,
-)
+from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -325,20 +321,22 @@ class FalconAttention(nn.Module):
             qkv_out_dim = self.hidden_size + 2 * self.head_dim
         else:
             qkv_out_dim = 3 * self.hidden_size
-        self.query_key_value = ReplicatedLinear(
+        self.query_key_value = ColumnParallelLinear(
             self.hidden_size,
             qkv_out_dim,
             bias=config.bias,
+            disable_tp=not (config.new_decoder_architecture and config.multi_query),
             quant_config=quant_config,
             prefix=f"{prefix}.query_key_value",
             return_bias=False,
         )
         self.new_decoder_architecture = config.new_decoder_architecture
         self.multi_query = config.multi_query
-        self.dense = ReplicatedLinear(
+        self.dense = RowParallelLinear(
             self.hidden_size,
             self.hidden_size,
             bias=config.bias,
+            disable_tp=not (config.new_decoder_architecture and config.multi_query),
             quant_config=quant_config,
             prefix=f"{prefix}.dense",
             return_bias=False,
@@ -349,6 +347,20 @@ class FalconAttention(nn.Module):
             if (self.new_decoder_architecture or not self.multi_query)
             else 1
         )
+        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
+        # of the heads (the source's reshapes count heads per rank)
+        tp_size = (
+            get_tensor_model_parallel_world_size()
+            if config.new_decoder_architecture and config.multi_query
+            else 1
+        )
+        assert (
+            self.num_heads if self.new_decoder_architecture else self.num_kv_heads
+        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
+        total_kv_heads = (
+            self.num_heads if self.new_decoder_architecture else self.num_kv_heads
+        )
+        self.num_heads = self.num_heads // tp_size
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -364,14 +376,14 @@ class FalconAttention(nn.Module):
             self.num_heads,
             self.head_dim,
             self.head_dim**-0.5,
-            num_kv_heads=(
-                self.num_heads if self.new_decoder_architecture else self.num_kv_heads
-            ),
+            num_kv_heads=total_kv_heads // tp_size,
             cache_config=cache_config,
             quant_config=quant_config,
             per_layer_sliding_window=sliding_window,
             prefix=f"{prefix}.attn",
         )
+        # tensor parallel: the source's reshapes count this rank's width
+        self.num_kv_heads = self.num_kv_heads // tp_size
 
     def _split_heads(
         self, fused_qkv: torch.Tensor

@@ -296,9 +296,9 @@ BUG_CLASSES.append(
     (
         "falcon",
         "kv heads the weights hold, where the keys are broadcast to every head",
-        "num_kv_heads=(\n                self.num_heads if self.new_decoder_architecture "
-        "else self.num_kv_heads\n            ),",
-        "num_kv_heads=self.num_kv_heads,",
+        "total_kv_heads = (\n            self.num_heads if self.new_decoder_architecture "
+        "else self.num_kv_heads\n        )",
+        "total_kv_heads = self.num_kv_heads",
     )
 )
 

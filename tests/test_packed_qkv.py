@@ -137,3 +137,27 @@ def test_branches_in_a_helper_method_are_read_too():
     assert taken_branches(info, Built()) == (
         "not config.new_decoder_architecture and config.multi_query"
     )
+
+
+def test_falcon_divides_the_kv_heads_its_weights_hold_on_the_layout_proven():
+    """Falcon's new decoder architecture holds grouped [q..., k, v] per kv head and
+    broadcasts keys and values to every query head: a rank's contiguous share is its
+    groups once `num_kv_heads` is divided too. Falcon-7B's multi-query and Falcon-RW's
+    per-head layouts take other branches of `_split_heads`: whole on every rank (both
+    verified at TP=2 with `--override new_decoder_architecture=false`)."""
+    text = (REPO / "generated" / "falcon.py").read_text()
+    init = text[text.index("class FalconAttention") :]
+    init = init[: init.index("def forward")]
+    taken = "config.new_decoder_architecture and config.multi_query"
+    assert "self.query_key_value = ColumnParallelLinear(" in init
+    assert init.count(f"disable_tp=not ({taken}),") == 2  # query_key_value, dense
+    # read before the head counts are divided (the Attention's kv heads, once)
+    lines = [line.strip() for line in init.splitlines()]
+    at = lines.index("total_kv_heads = (")
+    assert at < lines.index("self.num_heads = self.num_heads // tp_size")
+    assert "num_kv_heads=total_kv_heads // tp_size," in lines
+    assert "self.num_kv_heads = self.num_kv_heads // tp_size" in lines
+    assert (
+        f"#   Unfused: tensor parallel (FalconAttention): sharded where `{taken}`"
+        in text
+    )

@@ -353,7 +353,6 @@ def _tp_styles(model: Model) -> TensorParallel:
             )
             continue
         spec = model.roles.attention.get(n)
-        heads = spec.head_attrs if spec else []
         kv = spec.kv_head_attrs if spec else []
         sinks = spec.sinks if spec else None
         why = None
@@ -366,27 +365,76 @@ def _tp_styles(model: Model) -> TensorParallel:
                     return failed
             return None
 
-        for option in sharding.candidates(inst, plan, heads, kv):
-            failed = proven(option, heads)
-            wide = sorted(
-                set().union(*(sharding.widths(k, option, heads, kv) for k, _ in kinds))
-            )
-            wide = _own(wide, model.source.text)
-            if failed is not None and wide:
-                # the class counts a sharded width whole: this rank's share, if proven
-                if proven(option, heads + wide) is None:
-                    failed, out.divided[n] = None, wide
-            if failed is None:
-                why, plan = None, option
+        held = _held_kv_attrs(spec, inst)
+        countings = [spec.head_attrs if spec else []]
+        if held:  # the kv heads the weights hold, before a broadcast: theirs too
+            countings.append(countings[0] + held)
+        for heads in countings:
+            for option in sharding.candidates(inst, plan, heads, kv):
+                failed = proven(option, heads)
+                wide = sorted(
+                    set().union(
+                        *(sharding.widths(k, option, heads, kv) for k, _ in kinds)
+                    )
+                )
+                wide = _own(wide, model.source.text)
+                if failed is not None and wide:
+                    # the class counts a sharded width whole: this rank's share, if proven
+                    if proven(option, heads + wide) is None:
+                        failed, out.divided[n] = None, wide
+                if failed is None:
+                    why, plan = None, option
+                    break
+                why = why or failed
+            if why is None:
                 break
-            why = why or failed
         if why is None and sharding.QKV in plan.values():
             why = _packed_qkv(out, model, n, inst, plan, spec)
+        elif why is None and held and heads != countings[0]:
+            why = _held_kv_heads(out, model, n, inst, held)
         if why is None:
             styles[n] = plan
         else:
             notes.append(Unfused(n, "tensor parallel", f"replicated: {why}"))
     return out
+
+
+def _held_kv_attrs(spec, inst) -> list[str]:
+    """The attributes counting the kv heads the weights hold where keys and values are
+    broadcast to more heads before attention (Falcon's `num_kv_heads`, grouped)."""
+    if spec is None or spec.broadcast is None:
+        return []
+    held = spec.broadcast[0]
+    return [
+        a
+        for a, v in vars(inst).items()
+        if type(v) is int
+        and v == held
+        and "head" in a
+        and not any(w in a for w in ("dim", "size"))
+        and a not in spec.head_attrs
+    ]
+
+
+def _held_kv_heads(out: TensorParallel, model: Model, n: str, inst, held):
+    """Record the held kv head counts of `n` divided over the ranks, its sharding pinned
+    to the config branches the proof ran (Falcon's layouts: grouped under the new
+    decoder architecture, multi-query or per head otherwise); or why not."""
+    taken = taken_branches(model.classes[n], inst)
+    if taken is None:
+        return "its forward branches on the config where the tiny model cannot say which way"
+    if taken:
+        out.conditions[n] = taken
+        out.notes.append(
+            Unfused(
+                n,
+                "tensor parallel",
+                f"sharded where `{taken}` (the layout the proof ran), whole on every "
+                "rank elsewhere",
+            )
+        )
+    out.divided[n] = [*out.divided.get(n, []), *held]
+    return None
 
 
 def _packed_qkv(out: TensorParallel, model: Model, n: str, inst, plan, spec):

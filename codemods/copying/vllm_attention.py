@@ -36,6 +36,14 @@ def tp_size_line(taken: str = "") -> str:
     return f"tp_size = get_tensor_model_parallel_world_size() if {taken} else 1"
 
 
+def _reads_divided(expr: str, head_attrs: list[str]) -> bool:
+    """Whether `expr` is more than one head attribute and reads one."""
+    import re
+
+    read = set(re.findall(r"\bself\.(\w+)", expr))
+    return bool(read & set(head_attrs)) and expr[5:] not in head_attrs
+
+
 def init_lines(
     spec: AttentionSpec,
     sharded: bool,
@@ -83,6 +91,11 @@ def init_lines(
             f"assert ({spec.kv_heads}) % tp_size == 0, "
             '"the kv heads must divide over the tensor-parallel ranks"',
         ]
+        # an expression reading head counts the lines below divide (Falcon's `self.num_heads
+        # if self.new_decoder_architecture else self.num_kv_heads`): read before them
+        if _reads_divided(kv, spec.head_attrs):
+            lines.append(f"total_kv_heads = {kv}")
+            kv = "total_kv_heads"
         for attr in spec.head_attrs:
             lines.append(f"self.{attr} = self.{attr} // tp_size")
         if not heads.startswith("self.") or heads[5:] not in spec.head_attrs:
