@@ -73,6 +73,12 @@ def _rank(rank: int, port: int, path: str, causal: str, ckpt: str, out: str) -> 
         for name, mod in vllm_model.named_modules()
         if type(mod).__name__ == "MergedColumnParallelLinear"
     }
+    # a q/k/v packed on disk: its heads, to split the checkpoint tensor by
+    parts |= {
+        name: (mod.total_num_heads, mod.total_num_kv_heads, mod.head_size)
+        for name, mod in vllm_model.named_modules()
+        if type(mod).__name__ == "QKVParallelLinear"
+    }
     torch.save(
         {
             "linears": linears,
@@ -109,8 +115,12 @@ def _expected(kind, name, hf, packed, rank, config, which="weight", parts=None):
     if kind == "MergedColumnParallelLinear":
         return torch.cat([ref(s).chunk(TP, 0)[rank] for s in sources])
     if kind == "QKVParallelLinear":
-        q, k, v = (ref(s) for s in sources)
-        kv_heads = config.num_key_value_heads
+        if len(sources) == 1:  # packed [q; k; v] on disk (GPTBigCode's c_attn)
+            heads, kv_heads, size = parts
+            q, k, v = ref(name).split([heads * size, kv_heads * size, kv_heads * size])
+        else:
+            q, k, v = (ref(s) for s in sources)
+            kv_heads = config.num_key_value_heads
         if kv_heads >= TP:
             return torch.cat(
                 [q.chunk(TP, 0)[rank], k.chunk(TP, 0)[rank], v.chunk(TP, 0)[rank]]
@@ -211,6 +221,10 @@ def _check_ranks(tmp_path, path: Path, model: str, causal: str, sharded_expected
         # the out-projection built after the merged q/k/v block, which makes the head
         # count this rank's: its input is still the whole width
         ("nemotron", "NemotronForCausalLM"),
+        # a packed [q; k; v] with one kv head, replicated on each rank; Falcon's grouped
+        # layout divided with its held kv heads
+        ("gpt_bigcode", "GPTBigCodeForCausalLM"),
+        ("falcon", "FalconForCausalLM"),
     ],
 )
 def test_each_rank_holds_its_slice(tmp_path, model, causal):
