@@ -416,13 +416,18 @@ def _held_kv_attrs(spec, inst) -> list[str]:
     ]
 
 
+UNREAD_BRANCHES = (
+    "its forward branches on the config where the tiny model cannot say which way"
+)
+
+
 def _held_kv_heads(out: TensorParallel, model: Model, n: str, inst, held):
     """Record the held kv head counts of `n` divided over the ranks, its sharding pinned
     to the config branches the proof ran (Falcon's layouts: grouped under the new
     decoder architecture, multi-query or per head otherwise); or why not."""
     taken = taken_branches(model.classes[n], inst)
     if taken is None:
-        return "its forward branches on the config where the tiny model cannot say which way"
+        return UNREAD_BRANCHES
     if taken:
         out.conditions[n] = taken
         out.notes.append(
@@ -440,10 +445,11 @@ def _held_kv_heads(out: TensorParallel, model: Model, n: str, inst, held):
 def _packed_qkv(out: TensorParallel, model: Model, n: str, inst, plan, spec):
     """Record the [q; k; v] linear of `n` proven sharded as QKVParallelLinear: the
     construction that builds it and the config branches the proof covers (sharded where
-    a config takes them too, whole on every rank elsewhere); or why not."""
+    a config takes them too, whole on every rank elsewhere, said in its record); or
+    why not."""
     taken = taken_branches(model.classes[n], inst)
     if taken is None:
-        return "its forward branches on the config where the tiny model cannot say which way"
+        return UNREAD_BRANCHES
     attrs = [a for a, s in plan.items() if s == sharding.QKV]
     outputs = {a: packed_qkv.built_outputs(model.classes[n], a, inst) for a in attrs}
     if not all(outputs.values()):

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import libcst.matchers as m
 
-from fusion_patterns.base import ClassInfo, FusionRecord, code, linear_args
-from fusion_patterns.sharding import RANKS, qkv_layout
-
-LINEAR_CALL = m.Call(
-    func=m.Name("Linear") | m.Attribute(value=m.Name("nn"), attr=m.Name("Linear"))
+from fusion_patterns.base import (
+    LINEARS,
+    ClassInfo,
+    FusionRecord,
+    code,
+    dotted_name,
+    linear_args,
 )
+from fusion_patterns.sharding import RANKS, qkv_layout
 
 
 def built_outputs(info: ClassInfo, attr: str, instance) -> set[str]:
@@ -29,8 +32,8 @@ def built_outputs(info: ClassInfo, attr: str, instance) -> set[str]:
     out: set[str] = set()
     if info.init is None:
         return out
-    for node in m.findall(info.init, m.Assign(value=LINEAR_CALL)):
-        if not any(
+    for node in m.findall(info.init, m.Assign(value=m.Call())):
+        if dotted_name(node.value.func) not in LINEARS or not any(
             m.matches(t.target, m.Attribute(value=m.Name("self"), attr=m.Name(attr)))
             for t in node.targets
         ):

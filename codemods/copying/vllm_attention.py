@@ -8,6 +8,8 @@ sinks, ALiBi slopes, chunks)."""
 
 from __future__ import annotations
 
+import re
+
 import libcst as cst
 import libcst.matchers as m
 
@@ -38,8 +40,6 @@ def tp_size_line(taken: str = "") -> str:
 
 def _reads_divided(expr: str, head_attrs: list[str]) -> bool:
     """Whether `expr` is more than one head attribute and reads one."""
-    import re
-
     read = set(re.findall(r"\bself\.(\w+)", expr))
     return bool(read & set(head_attrs)) and expr[5:] not in head_attrs
 
@@ -67,41 +67,41 @@ def init_lines(
         ]
         if fitted:
             lines += ["# the source's reshapes count this rank's heads", *fitted]
-    elif sharded and replicated_kv:
-        lines += [
-            "# tensor parallel: this rank holds its share of the query heads and of the",
-            "# kv heads, or one kv head replicated where the ranks outnumber them (as",
-            "# QKVParallelLinear holds them; the source's reshapes count heads per rank)",
-            tp_size_line(taken),
-        ]
-        for attr in spec.head_attrs:
-            if attr in spec.kv_head_attrs:
-                lines.append(f"self.{attr} = max(1, self.{attr} // tp_size)")
-            else:
-                lines.append(f"self.{attr} = self.{attr} // tp_size")
-        if not heads.startswith("self.") or heads[5:] not in spec.head_attrs:
-            heads = f"{heads} // tp_size"
-        if not kv.startswith("self.") or kv[5:] not in spec.head_attrs:
-            kv = f"max(1, {kv} // tp_size)"
     elif sharded:
-        lines += [
-            "# tensor parallel: q/k/v are column-parallel, so this rank holds its share",
-            "# of the heads (the source's reshapes count heads per rank)",
-            tp_size_line(taken),
-            f"assert ({spec.kv_heads}) % tp_size == 0, "
-            '"the kv heads must divide over the tensor-parallel ranks"',
-        ]
+        if replicated_kv:
+            lines += [
+                "# tensor parallel: this rank holds its share of the query heads and of the",
+                "# kv heads, or one kv head replicated where the ranks outnumber them (as",
+                "# QKVParallelLinear holds them; the source's reshapes count heads per rank)",
+                tp_size_line(taken),
+            ]
+        else:
+            lines += [
+                "# tensor parallel: q/k/v are column-parallel, so this rank holds its share",
+                "# of the heads (the source's reshapes count heads per rank)",
+                tp_size_line(taken),
+                f"assert ({spec.kv_heads}) % tp_size == 0, "
+                '"the kv heads must divide over the tensor-parallel ranks"',
+            ]
         # an expression reading head counts the lines below divide (Falcon's `self.num_heads
         # if self.new_decoder_architecture else self.num_kv_heads`): read before them
         if _reads_divided(kv, spec.head_attrs):
             lines.append(f"total_kv_heads = {kv}")
             kv = "total_kv_heads"
+
+        def share(count: str, of_kv: bool) -> str:
+            if of_kv and replicated_kv:  # at least the one replica
+                return f"max(1, {count} // tp_size)"
+            return f"{count} // tp_size"
+
         for attr in spec.head_attrs:
-            lines.append(f"self.{attr} = self.{attr} // tp_size")
+            lines.append(
+                f"self.{attr} = {share(f'self.{attr}', attr in spec.kv_head_attrs)}"
+            )
         if not heads.startswith("self.") or heads[5:] not in spec.head_attrs:
-            heads = f"{heads} // tp_size"
+            heads = share(heads, False)
         if not kv.startswith("self.") or kv[5:] not in spec.head_attrs:
-            kv = f"{kv} // tp_size"
+            kv = share(kv, True)
     if spec.sinks and (sharded or merged_heads is not None):
         name = spec.sinks
         lines += [
