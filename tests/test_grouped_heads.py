@@ -6,6 +6,8 @@ architecture) hands vLLM the count it really hands over, on every branch.
 
 from __future__ import annotations
 
+import re
+
 import libcst as cst
 import libcst.matchers as m
 import pytest
@@ -58,13 +60,27 @@ def test_a_field_that_shapes_no_attention_is_not_a_kv_head_count():
 
 
 def _attention_argument(text: str, class_name: str, keyword: str) -> str:
-    """The source text of `keyword=` in the vLLM `Attention(...)` built by `class_name`."""
+    """The source text of `keyword=` in the vLLM `Attention(...)` built by `class_name`,
+    with each local it reads (a count captured before the per-rank divisions) replaced
+    by the expression assigned to it, and one rank (`tp_size` 1)."""
     module = cst.parse_module(text)
     (cls,) = m.findall(module, m.ClassDef(name=m.Name(class_name)))
+    assigned = {
+        target.target.value: module.code_for_node(node.value)
+        for node in m.findall(cls, m.Assign(targets=[m.AssignTarget(m.Name())]))
+        for target in node.targets
+    }
+    assigned["tp_size"] = "1"
     for call in m.findall(cls, m.Call(func=m.Name("Attention"))):
         for arg in call.args:
             if arg.keyword is not None and arg.keyword.value == keyword:
-                return module.code_for_node(arg.value)
+                expr = module.code_for_node(arg.value)
+                for name in sorted(set(re.findall(r"(?<![.\w])[A-Za-z_]\w*", expr))):
+                    if name in assigned:
+                        expr = re.sub(
+                            rf"(?<![.\w]){name}\b", f"({assigned[name]})", expr
+                        )
+                return expr
     raise AssertionError(f"no Attention({keyword}=...) in {class_name}")
 
 
