@@ -52,6 +52,24 @@ class Model:
         """(args, kwargs, output) of `instance`'s first call in the probe, or None."""
         return self.probe.module_calls.get(id(instance))
 
+    def unproven_branches(self, cls: str, instance, prove) -> str | None:
+        """Why a sharding proven on `instance` is not proven on every combination of
+        the branches `cls`'s config decides (`prove(other)` runs it on one
+        `other_branches.OtherBranch`), or None."""
+        from .copying.other_branches import UNREAD_BRANCHES, other_branches
+
+        branches = other_branches(
+            self.classes[cls], instance, self.call(instance), self.config
+        )
+        if branches is None:
+            return UNREAD_BRANCHES
+        for other in branches.others:
+            if other.instance is None:
+                return other.label
+            if (why := prove(other)) is not None:
+                return other.failed(why)
+        return None
+
     def claimed_whole(self, cls: str) -> bool:
         return any(
             c.class_name == cls and c.kind in (CLASS, CONSTRUCTION) for c in self.claims

@@ -19,6 +19,7 @@
 #   Fused: residual add + post_attention_layernorm (MiniCPM3DecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Unfused: attention (MiniCPM3Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Kept: embedding (MiniCPM3ScaledWordEmbedding): copied from the source onto VocabParallelEmbedding (sharded over the vocabulary as vLLM's own)
+#   Unfused: tensor parallel (MiniCPM3Attention): sharded where `config.q_lora_rank is not None` (proven there), whole on every rank elsewhere: with config.q_lora_rank=None over 2 ranks it fails (RuntimeError: The size of tensor a (4) must match the size of tensor b (2) at non-singleton dimension 1)
 #   Unfused: tensor parallel (MiniCPM3Attention): replicated on every rank: kv_a_proj_with_mqa (the plan their dataflow gives leaves them whole: the tiny model does not call them, or they are not between two linears of the class)
 #   Refused: latent attention (MiniCPM3Attention): vLLM does not set up minicpm3 for latent attention (its MLA model types)
 #   Refused: q/k/v projections (MiniCPM3Attention): `.cat(...)` between a projection and attention
@@ -223,6 +224,7 @@ class MiniCPM3Attention(nn.Module):
                 self.q_lora_rank,
                 self.num_heads * self.qk_head_dim,
                 bias=False,
+                disable_tp=config.q_lora_rank is None,
                 quant_config=quant_config,
                 prefix=f"{prefix}.q_b_proj",
                 return_bias=False,
@@ -244,6 +246,7 @@ class MiniCPM3Attention(nn.Module):
             config.kv_lora_rank,
             self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
             bias=False,
+            disable_tp=config.q_lora_rank is None,
             quant_config=quant_config,
             prefix=f"{prefix}.kv_b_proj",
             return_bias=False,
@@ -253,6 +256,7 @@ class MiniCPM3Attention(nn.Module):
             self.num_heads * self.v_head_dim,
             self.hidden_size,
             bias=config.attention_bias,
+            disable_tp=config.q_lora_rank is None,
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
             return_bias=False,
@@ -269,7 +273,11 @@ class MiniCPM3Attention(nn.Module):
         )
         # tensor parallel: q/k/v are column-parallel, so this rank holds its share
         # of the heads (the source's reshapes count heads per rank)
-        tp_size = get_tensor_model_parallel_world_size()
+        tp_size = (
+            get_tensor_model_parallel_world_size()
+            if config.q_lora_rank is not None
+            else 1
+        )
         assert (
             config.num_key_value_heads
         ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"

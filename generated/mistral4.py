@@ -22,6 +22,7 @@
 #   Unfused: module (Mistral4MoE): copied from the source (Mistral4MoE as FusedMoE (renormalize=True): the fused form differs (max rel err 7.2e-01 > 1e-05))
 #   Unfused: module (Mistral4TopkRouter): copied from the source
 #   Unfused: attention (Mistral4Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Unfused: tensor parallel (Mistral4Attention): sharded where `config.q_lora_rank is not None` (proven there), whole on every rank elsewhere: with config.q_lora_rank=None over 2 ranks it fails (RuntimeError: The size of tensor a (4) must match the size of tensor b (2) at non-singleton dimension 1)
 #   Unfused: tensor parallel (Mistral4Attention): replicated on every rank: kv_a_proj_with_mqa (the plan their dataflow gives leaves them whole: the tiny model does not call them, or they are not between two linears of the class)
 #   Refused: router + experts (Mistral4MoE): Mistral4MoE as FusedMoE (renormalize=True): the fused form differs (max rel err 7.2e-01 > 1e-05)
 #   Refused: latent attention (Mistral4Attention): vLLM does not set up mistral4 for latent attention (its MLA model types)
@@ -450,6 +451,7 @@ class Mistral4Attention(nn.Module):
                 self.q_lora_rank,
                 self.num_heads * self.qk_head_dim,
                 bias=False,
+                disable_tp=config.q_lora_rank is None,
                 quant_config=quant_config,
                 prefix=f"{prefix}.q_b_proj",
                 return_bias=False,
@@ -471,6 +473,7 @@ class Mistral4Attention(nn.Module):
             config.kv_lora_rank,
             self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
             bias=False,
+            disable_tp=config.q_lora_rank is None,
             quant_config=quant_config,
             prefix=f"{prefix}.kv_b_proj",
             return_bias=False,
@@ -480,6 +483,7 @@ class Mistral4Attention(nn.Module):
             self.num_heads * self.v_head_dim,
             self.hidden_size,
             bias=config.attention_bias,
+            disable_tp=config.q_lora_rank is None,
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
             return_bias=False,
@@ -490,7 +494,11 @@ class Mistral4Attention(nn.Module):
         )
         # tensor parallel: q/k/v are column-parallel, so this rank holds its share
         # of the heads (the source's reshapes count heads per rank)
-        tp_size = get_tensor_model_parallel_world_size()
+        tp_size = (
+            get_tensor_model_parallel_world_size()
+            if config.q_lora_rank is not None
+            else 1
+        )
         assert (
             config.num_key_value_heads
         ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"

@@ -20,6 +20,7 @@ from . import head_rows, packed_qkv, positions
 from .classes import CONV1D, LINEARS, Context, prefix_classes
 from .classes import rewrite_class
 from .config_branches import linear_reads, taken_branches
+from .other_branches import UNREAD_BRANCHES, other_branches
 from .definitions import Definitions
 
 if TYPE_CHECKING:
@@ -193,7 +194,8 @@ def _replicated(
     """
     import re
 
-    said = {u.source_class for u in noted}
+    # a class pinned to its proven branches still says which linears stay whole
+    said = {u.source_class for u in noted if not u.reason.startswith("sharded where")}
     out = []
     for n, text in pieces.items():
         if n not in said and (stacks := _stacked_parameters(model, n)):
@@ -365,6 +367,11 @@ def _tp_styles(model: Model) -> TensorParallel:
                     return failed
             return None
 
+        def proven_on(other, option, counted):  # a config the tiny one is not
+            return sharding.prove(
+                other.instance, option, counted, other.call, sinks, kv_attrs=kv
+            )
+
         held = _held_kv_attrs(spec, inst)
         countings = [spec.head_attrs if spec else []]
         if held:  # the kv heads the weights hold, before a broadcast: theirs too
@@ -392,6 +399,11 @@ def _tp_styles(model: Model) -> TensorParallel:
             why = _packed_qkv(out, model, n, inst, plan, spec)
         elif why is None and held and heads != countings[0]:
             why = _held_kv_heads(out, model, n, inst, held)
+        elif why is None:
+            counted = heads + out.divided.get(n, [])
+            why = _on_other_branches(
+                out, model, n, kinds[0], lambda o: proven_on(o, plan, counted)
+            )
         if why is None:
             styles[n] = plan
         else:
@@ -416,9 +428,38 @@ def _held_kv_attrs(spec, inst) -> list[str]:
     ]
 
 
-UNREAD_BRANCHES = (
-    "its forward branches on the config where the tiny model cannot say which way"
-)
+def _on_other_branches(out: TensorParallel, model: Model, n: str, kind, proven_on):
+    """None: `n`'s sharding holds on every combination of its config branches, or is
+    pinned (whole on every rank elsewhere) to the branches the tiny config takes whose
+    other way fails or builds nothing to prove, said in a report line; or why it
+    cannot be sharded at all."""
+    inst, call = kind
+    # a branch reading weights as tensors is checked when the module is built
+    settled = model.branch_reads.get(n)
+    branches = other_branches(
+        model.classes[n], inst, call, model.config, settled and settled.init_test
+    )
+    if branches is None:
+        return UNREAD_BRANCHES
+    failed: dict[frozenset[int], str] = {}
+    for other in branches.others:
+        if other.instance is None:
+            failed[other.flipped] = other.label
+        elif (why := proven_on(other)) is not None:
+            failed[other.flipped] = other.failed(why)
+    if failed:
+        taken = branches.pinned(set(failed))
+        out.conditions[n] = taken
+        first = failed[min(failed, key=len)]
+        out.notes.append(
+            Unfused(
+                n,
+                "tensor parallel",
+                f"sharded where `{taken}` (proven there), whole on every rank "
+                f"elsewhere: {first}",
+            )
+        )
+    return None
 
 
 def _held_kv_heads(out: TensorParallel, model: Model, n: str, inst, held):

@@ -36,7 +36,7 @@ from ..errors import CodemodError
 from ..attention_calls import interface_name
 from . import vllm_attention
 from .attention import AttentionSpec
-from .config_branches import BranchRead
+from .config_branches import BranchRead, negated
 from .definitions import strip_decorators
 from .eager_attention import CoreRewrite
 from .inference import clean_signature, inference_folded, is_docstring
@@ -383,7 +383,7 @@ class _InitRewrite(cst.CSTTransformer):
             cls, extra = STYLES.get(style, STYLES["replicate"])
         taken = self.ctx.tp_conditions.get(self.info.name)
         if style != "replicate" and taken:  # proven on the config branches it takes
-            extra += f"disable_tp=not {taken if ' ' not in taken else f'({taken})'}, "
+            extra += f"disable_tp={negated(taken)}, "
         text = (
             f"{cls}({code(in_size)}, {outs}, bias={code(bias)}, {extra}"
             f'quant_config=quant_config, prefix=f"{{prefix}}.{path}", return_bias=False)'

@@ -241,19 +241,55 @@ def _weight_reads(info: ClassInfo) -> tuple[set[str], BranchRead | None]:
     )
 
 
-def taken_branches(info: ClassInfo, instance) -> str | None:
+@dataclass(frozen=True)
+class DecidedBranch:
+    """One test in a method but `__init__` that reads only the config and constants."""
+
+    config: str  # read from the config as `__init__` can test it (`config.multi_query`)
+    taken: bool  # the way the instance it was read on takes it
+
+    def text(self, taken: bool | None = None) -> str:
+        taken = self.taken if taken is None else taken
+        return self.config if taken else negated(self.config)
+
+
+_NEGATED = {
+    cst.Is: cst.IsNot,
+    cst.IsNot: cst.Is,
+    cst.Equal: cst.NotEqual,
+    cst.NotEqual: cst.Equal,
+}
+
+
+def negated(test: str) -> str:
+    """`not test`, written as the source would (`x is not None` for `not (x is None)`)."""
+    expr = cst.parse_expression(test)
+    if m.matches(expr, m.UnaryOperation(operator=m.Not())):
+        return code(expr.expression.with_changes(lpar=[], rpar=[]))
+    if isinstance(expr, cst.Comparison) and len(expr.comparisons) == 1:
+        (target,) = expr.comparisons
+        if type(target.operator) in _NEGATED:
+            flipped = _NEGATED[type(target.operator)]()
+            return code(
+                expr.with_changes(comparisons=[target.with_changes(operator=flipped)])
+            )
+    if isinstance(expr, (cst.Name, cst.Attribute)):
+        return f"not {test}"
+    return f"not {test}" if expr.lpar else f"not ({test})"
+
+
+def decided_branches(info: ClassInfo, instance) -> list[DecidedBranch] | None:
     """The branches the config decides in `info`'s methods but `__init__` (`if
-    self.multi_query:` in forward, Falcon's layouts in `_split_heads`), each as
-    `instance`, built from the tiny config, takes it, joined, read from the config as
-    `__init__` can test them (`config.multi_query`): what a proof run on `instance`
-    covers. "" where there are none; None where one cannot be read."""
+    self.multi_query:` in forward, Falcon's layouts in `_split_heads`), each with the
+    way `instance`, built from the tiny config, takes it; None where one cannot be
+    evaluated on it."""
     values = _config_values(info)
     methods = [
         f
         for f in m.findall(info.node.body, m.FunctionDef())
         if f.name.value != "__init__"
     ]
-    tests = []
+    found: dict[str, DecidedBranch] = {}
     ifs = [n for f in methods for n in m.findall(f, m.If() | m.IfExp())]
     for node in ifs:
         if not _decided(node.test, values):
@@ -268,5 +304,15 @@ def taken_branches(info: ClassInfo, instance) -> str | None:
         text = code(read.with_changes(lpar=[], rpar=[]))
         if not isinstance(read, (cst.Name, cst.Attribute)):
             text = f"({text})"
-        tests.append(text if taken else f"not {text}")
-    return " and ".join(dict.fromkeys(tests))
+        found.setdefault(text, DecidedBranch(text, taken))
+    return list(found.values())
+
+
+def taken_branches(info: ClassInfo, instance) -> str | None:
+    """The branches of `decided_branches` as `instance` takes them, joined: what a
+    proof run on `instance` covers. "" where there are none; None where one cannot be
+    read."""
+    branches = decided_branches(info, instance)
+    if branches is None:
+        return None
+    return " and ".join(dict.fromkeys(b.text() for b in branches))

@@ -34,7 +34,11 @@ class QKVMerge(Pattern):
             if isinstance(found, Refusal):
                 yield found
                 continue
-            if found is None or found.packed or set(found.projections) & model.kept_linears:
+            if (
+                found is None
+                or found.packed
+                or set(found.projections) & model.kept_linears
+            ):
                 continue
             inst = model.first(n)
             try:
@@ -57,6 +61,18 @@ class QKVMerge(Pattern):
                 model.call(inst),
                 attention.sinks,
             )
+            if why is None:  # and on the configs taking its other branches
+                why = model.unproven_branches(
+                    n,
+                    inst,
+                    lambda other: prove_sharded(
+                        other.instance,
+                        styles,
+                        attention.head_attrs,
+                        other.call,
+                        attention.sinks,
+                    ),
+                )
             if why is None and not all(
                 styles.get(p) == "colwise" for p in found.projections
             ):

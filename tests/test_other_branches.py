@@ -1,0 +1,136 @@
+"""A sharded copied class is proven on every combination of the branches its config
+decides, not only the tiny config's (`codemods/copying/other_branches.py`): a branch
+whose other way breaks the sharding pins the class to the way proven (whole on every
+rank elsewhere), one whose other way holds leaves it sharded. Engine-free; the TP=2 run
+of MiniCPM3 with `q_lora_rank=None` is `python -m codemods.verify minicpm3 --tp 2
+--override q_lora_rank=null` (the file before this pin: tokens differ, 3.1 logprob)."""
+
+from __future__ import annotations
+
+import pytest
+
+from codemods.apply import generate
+from codemods.copying.config_branches import DecidedBranch, negated
+from codemods.copying.other_branches import Branches, other_branches
+from codemods.source import load
+
+
+@pytest.fixture(scope="module")
+def minicpm3():
+    return generate("modeling_minicpm3.py")
+
+
+def test_a_branch_whose_other_way_breaks_the_sharding_pins_the_class(minicpm3):
+    plan, text = minicpm3
+    (line,) = [
+        u.describe()
+        for u in plan.unfused
+        if u.source_class == "MiniCPM3Attention" and "sharded where" in u.reason
+    ]
+    # the other way (a plain q_proj, whole) was run sharded and failed
+    assert "`config.q_lora_rank is not None`" in line, line
+    assert "with config.q_lora_rank=None over 2 ranks it fails" in line, line
+    attention = text[text.index("class MiniCPM3Attention") :]
+    attention = attention[: attention.index("\nclass ")]
+    assert attention.count("disable_tp=config.q_lora_rank is None,") == 3
+    assert "if config.q_lora_rank is not None\n            else 1" in attention
+
+
+def test_a_branch_whose_other_way_holds_leaves_the_class_sharded():
+    # MPT's `clip_qkv` clamps q/k/v elementwise: both ways shard alike
+    plan, text = generate("modeling_mpt.py")
+    assert "disable_tp=" not in text
+    assert not [u for u in plan.unfused if "sharded where" in u.reason]
+
+
+def test_an_edited_branch_the_tiny_config_does_not_take_is_caught(tmp_path):
+    """Phi's tiny config takes `qk_layernorm`; an `else:` that counts the query heads
+    from the config is run only on the other way: the q/k/v merge (which shards by
+    heads) is refused and the copied attention pinned, each naming that config."""
+    from conftest import edited_modeling_file
+
+    old = "            key_states = self.k_layernorm(key_states)\n"
+    new = old + (
+        "        else:\n"
+        "            query_states = query_states.flatten(1, 2).view(\n"
+        "                query_states.shape[0], self.config.num_attention_heads, -1,"
+        " self.head_dim\n"
+        "            )\n"
+    )
+    path = edited_modeling_file(tmp_path, "modeling_phi.py", old, new)
+    plan, text = generate(str(path), trust_remote_code=True)
+    (refused,) = [r for r in plan.refusals if r.source_class == "PhiAttention"]
+    assert refused.reason.startswith("the merged layer shards by heads: with ")
+    assert "config.qk_layernorm=False over 2 ranks it fails" in refused.reason
+    assert "QKVParallelLinear" not in text
+    assert "disable_tp=not config.qk_layernorm," in text
+
+
+def _attention(name: str, cls: str, config):
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    info = load(f"modeling_{name}.py").classes[cls]
+    return info, getattr(module, cls)(config, 0)
+
+
+def test_the_other_way_is_rebuilt_and_run_on_the_tiny_calls_inputs():
+    import torch
+    from transformers import MptConfig
+
+    config = MptConfig(d_model=64, n_heads=4, n_layers=1, vocab_size=32)
+    config.attn_config.clip_qkv = 0.5
+    info, attention = _attention("mpt", "MptAttention", config)
+    hidden = torch.randn(1, 5, 64)
+    call = ((hidden,), {"position_bias": None}, attention(hidden, None))
+    branches = other_branches(info, attention, call, config)
+    assert [b.config for b in branches.decided] == ["config.attn_config.clip_qkv"]
+    (other,) = branches.others
+    assert other.label == "config.attn_config.clip_qkv=None"
+    assert other.instance.clip_qkv is None and attention.clip_qkv == 0.5
+    # its output is its own on the same inputs, not the tiny instance's
+    assert not torch.equal(other.call[2][0], call[2][0])
+
+
+def test_a_branch_no_config_can_take_the_other_way_is_not_pinned():
+    # GPT-J's `rotary_dim` is an int field: GPTJConfig rejects None, so `rotary_dim is
+    # not None` is taken by every config there is
+    from transformers import GPTJConfig
+
+    config = GPTJConfig(n_embd=64, n_head=4, n_layer=1, vocab_size=32, rotary_dim=8)
+    info, attention = _attention("gptj", "GPTJAttention", config)
+    branches = other_branches(info, attention, None, config)
+    assert branches.decided == [] and branches.others == []
+
+
+def _branches(count: int) -> Branches:
+    return Branches([DecidedBranch(f"config.f{i}", True) for i in range(count)], [])
+
+
+def test_only_the_branches_whose_flip_fails_are_pinned():
+    branches = _branches(3)
+    assert branches.pinned({frozenset({1})}) == "config.f1"
+    assert branches.pinned({frozenset({1}), frozenset({1, 2})}) == "config.f1"
+
+
+def test_a_combination_failing_without_a_pinned_branch_pins_them_all():
+    branches = _branches(3)
+    every = "config.f0 and config.f1 and config.f2"
+    assert branches.pinned({frozenset({0}), frozenset({1, 2})}) == every
+    assert branches.pinned({frozenset({0, 1, 2})}) == every
+
+
+@pytest.mark.parametrize(
+    "test, want",
+    [
+        ("(config.q_lora_rank is None)", "(config.q_lora_rank is not None)"),
+        ("config.x is not None", "config.x is None"),
+        ('config.gating == "per-head"', 'config.gating != "per-head"'),
+        ("not config.multi_query", "config.multi_query"),
+        ("config.multi_query", "not config.multi_query"),
+        ("config.a and config.b", "not (config.a and config.b)"),
+        ("config.pretraining_tp > 1", "not (config.pretraining_tp > 1)"),
+    ],
+)
+def test_a_negated_test_reads_as_the_source_would_write_it(test, want):
+    assert negated(test) == want
