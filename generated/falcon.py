@@ -17,7 +17,7 @@
 #   Unfused: decoder layer (FalconDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (FalconMLP): copied from the source
 #   Unfused: attention (FalconAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=self.head_dim ** -0.5); its keys and values are broadcast from 2 to 4 heads before it and cached as broadcast (2x the KV cache of the grouped layout)
-#   Unfused: tensor parallel (FalconAttention): sharded where `config.new_decoder_architecture and config.multi_query` (the layout the proof ran), whole on every rank elsewhere
+#   Unfused: tensor parallel (FalconAttention): sharded where `config.new_decoder_architecture` (proven there), whole on every rank elsewhere: with config.new_decoder_architecture=False over 2 ranks it fails (ValueError: self.num_kv_heads = 1 heads, not divisible by 2)
 #   Refused: rotary embedding (FalconAttention): the class computes attention itself (its core becomes vLLM's attention); vLLM's rope is not applied inside such a class
 #   Refused: residual add + norm (FalconDecoderLayer): forward does not end with `return <hidden states>`
 # ======================================================================================
@@ -325,7 +325,7 @@ class FalconAttention(nn.Module):
             self.hidden_size,
             qkv_out_dim,
             bias=config.bias,
-            disable_tp=not (config.new_decoder_architecture and config.multi_query),
+            disable_tp=not config.new_decoder_architecture,
             quant_config=quant_config,
             prefix=f"{prefix}.query_key_value",
             return_bias=False,
@@ -336,7 +336,7 @@ class FalconAttention(nn.Module):
             self.hidden_size,
             self.hidden_size,
             bias=config.bias,
-            disable_tp=not (config.new_decoder_architecture and config.multi_query),
+            disable_tp=not config.new_decoder_architecture,
             quant_config=quant_config,
             prefix=f"{prefix}.dense",
             return_bias=False,
@@ -351,7 +351,7 @@ class FalconAttention(nn.Module):
         # of the heads (the source's reshapes count heads per rank)
         tp_size = (
             get_tensor_model_parallel_world_size()
-            if config.new_decoder_architecture and config.multi_query
+            if config.new_decoder_architecture
             else 1
         )
         assert (

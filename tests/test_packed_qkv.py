@@ -79,8 +79,13 @@ def test_a_forward_reading_the_parts_in_another_order_is_refused():
     assert qkv is not None and "computes something else" in qkv, qkv
 
 
+def _taken(info, built) -> list[str]:
+    from codemods.copying.config_branches import decided_branches
+
+    return [b.text() for b in decided_branches(info, built)]
+
+
 def test_the_proof_holds_on_the_branch_the_tiny_config_takes():
-    from codemods.copying.config_branches import taken_branches
     from codemods.source import load
 
     info = load("modeling_gpt_bigcode.py").classes["GPTBigCodeAttention"]
@@ -89,9 +94,9 @@ def test_the_proof_holds_on_the_branch_the_tiny_config_takes():
         multi_query = True
         is_cross_attention = False
 
-    assert taken_branches(info, Built()) == "config.multi_query"
+    assert _taken(info, Built()) == ["config.multi_query"]
     Built.multi_query = False
-    assert taken_branches(info, Built()) == "not config.multi_query"
+    assert _taken(info, Built()) == ["not config.multi_query"]
 
 
 def test_gpt_bigcode_shards_its_multi_query_attention_where_the_config_says():
@@ -126,7 +131,6 @@ def test_the_layout_needs_kv_heads_that_divide_or_are_divided_by_the_ranks(kv, w
 def test_branches_in_a_helper_method_are_read_too():
     # Falcon picks its fused layout in `_split_heads`, not in forward: a proof on the
     # tiny config's layout covers only the configs taking the same branches
-    from codemods.copying.config_branches import taken_branches
     from codemods.source import load
 
     info = load("modeling_falcon.py").classes["FalconAttention"]
@@ -134,23 +138,25 @@ def test_branches_in_a_helper_method_are_read_too():
     class Built:
         new_decoder_architecture, multi_query = False, True
 
-    assert taken_branches(info, Built()) == (
-        "not config.new_decoder_architecture and config.multi_query"
-    )
+    assert _taken(info, Built()) == [
+        "not config.new_decoder_architecture",
+        "config.multi_query",
+    ]
 
 
 def test_falcon_divides_the_kv_heads_its_weights_hold_on_the_layout_proven():
     """Falcon's new decoder architecture holds grouped [q..., k, v] per kv head and
     broadcasts keys and values to every query head: a rank's contiguous share is its
-    groups once `num_kv_heads` is divided too. Falcon-7B's multi-query and Falcon-RW's
-    per-head layouts take other branches of `_split_heads`: whole on every rank (both
+    groups once `num_kv_heads` is divided too, whatever `multi_query` says (proven with
+    it flipped). Falcon-7B's multi-query and Falcon-RW's per-head layouts take other
+    branches of `_split_heads`: the proof fails there, so whole on every rank (both
     verified at TP=2 with `--override new_decoder_architecture=false`)."""
     text = (REPO / "generated" / "falcon.py").read_text()
     init = text[text.index("class FalconAttention") :]
     init = init[: init.index("def forward")]
-    taken = "config.new_decoder_architecture and config.multi_query"
+    taken = "config.new_decoder_architecture"
     assert "self.query_key_value = ColumnParallelLinear(" in init
-    assert init.count(f"disable_tp=not ({taken}),") == 2  # query_key_value, dense
+    assert init.count(f"disable_tp=not {taken},") == 2  # query_key_value, dense
     # read before the head counts are divided (the Attention's kv heads, once)
     lines = [line.strip() for line in init.splitlines()]
     at = lines.index("total_kv_heads = (")
@@ -158,6 +164,7 @@ def test_falcon_divides_the_kv_heads_its_weights_hold_on_the_layout_proven():
     assert "num_kv_heads=total_kv_heads // tp_size," in lines
     assert "self.num_kv_heads = self.num_kv_heads // tp_size" in lines
     assert (
-        f"#   Unfused: tensor parallel (FalconAttention): sharded where `{taken}`"
-        in text
-    )
+        f"#   Unfused: tensor parallel (FalconAttention): sharded where `{taken}` "
+        "(proven there), whole on every rank elsewhere: with "
+        "config.new_decoder_architecture=False over 2 ranks it fails"
+    ) in text

@@ -19,7 +19,7 @@ from fusion_patterns import sharding
 from . import head_rows, packed_qkv, positions
 from .classes import CONV1D, LINEARS, Context, prefix_classes
 from .classes import rewrite_class
-from .config_branches import linear_reads, taken_branches
+from .config_branches import linear_reads
 from .other_branches import UNREAD_BRANCHES, other_branches
 from .definitions import Definitions
 
@@ -395,15 +395,20 @@ def _tp_styles(model: Model) -> TensorParallel:
                 why = why or failed
             if why is None:
                 break
-        if why is None and sharding.QKV in plan.values():
-            why = _packed_qkv(out, model, n, inst, plan, spec)
-        elif why is None and held and heads != countings[0]:
-            why = _held_kv_heads(out, model, n, inst, held)
-        elif why is None:
+        if why is None:  # and on every other way its config branches can go
             counted = heads + out.divided.get(n, [])
-            why = _on_other_branches(
-                out, model, n, kinds[0], lambda o: proven_on(o, plan, counted)
-            )
+            pin = _pinned(model, n, kinds[0], lambda o: proven_on(o, plan, counted))
+            if isinstance(pin, str):
+                why = pin
+            elif sharding.QKV in plan.values():  # its record says where it is whole
+                why = _packed_qkv(out, model, n, inst, plan, spec, pin[0])
+            else:
+                if pin[0]:
+                    notes.append(_pin_note(n, *pin))
+                if held and heads != countings[0]:  # the kv heads the weights hold
+                    out.divided[n] = [*out.divided.get(n, []), *held]
+            if why is None and pin[0]:
+                out.conditions[n] = pin[0]
         if why is None:
             styles[n] = plan
         else:
@@ -428,11 +433,11 @@ def _held_kv_attrs(spec, inst) -> list[str]:
     ]
 
 
-def _on_other_branches(out: TensorParallel, model: Model, n: str, kind, proven_on):
-    """None: `n`'s sharding holds on every combination of its config branches, or is
-    pinned (whole on every rank elsewhere) to the branches the tiny config takes whose
-    other way fails or builds nothing to prove, said in a report line; or why it
-    cannot be sharded at all."""
+def _pinned(model: Model, n: str, kind, proven_on) -> tuple[str, str] | str:
+    """(the branches `n`'s sharding is pinned to, as the tiny config takes them, and
+    the first failure that pins them): ("", "") where it holds on every combination of
+    its config branches; pinned to those whose other way fails or builds nothing to
+    prove. A string: why it cannot be sharded at all."""
     inst, call = kind
     # a branch reading weights as tensors is checked when the module is built
     settled = model.branch_reads.get(n)
@@ -447,56 +452,28 @@ def _on_other_branches(out: TensorParallel, model: Model, n: str, kind, proven_o
             failed[other.flipped] = other.label
         elif (why := proven_on(other)) is not None:
             failed[other.flipped] = other.failed(why)
-    if failed:
-        taken = branches.pinned(set(failed))
-        out.conditions[n] = taken
-        first = failed[min(failed, key=len)]
-        out.notes.append(
-            Unfused(
-                n,
-                "tensor parallel",
-                f"sharded where `{taken}` (proven there), whole on every rank "
-                f"elsewhere: {first}",
-            )
-        )
-    return None
+    if not failed:
+        return "", ""
+    return branches.pinned(set(failed)), failed[min(failed, key=len)]
 
 
-def _held_kv_heads(out: TensorParallel, model: Model, n: str, inst, held):
-    """Record the held kv head counts of `n` divided over the ranks, its sharding pinned
-    to the config branches the proof ran (Falcon's layouts: grouped under the new
-    decoder architecture, multi-query or per head otherwise); or why not."""
-    taken = taken_branches(model.classes[n], inst)
-    if taken is None:
-        return UNREAD_BRANCHES
-    if taken:
-        out.conditions[n] = taken
-        out.notes.append(
-            Unfused(
-                n,
-                "tensor parallel",
-                f"sharded where `{taken}` (the layout the proof ran), whole on every "
-                "rank elsewhere",
-            )
-        )
-    out.divided[n] = [*out.divided.get(n, []), *held]
-    return None
+def _pin_note(n: str, taken: str, failure: str) -> Unfused:
+    return Unfused(
+        n,
+        "tensor parallel",
+        f"sharded where `{taken}` (proven there), whole on every rank elsewhere: "
+        f"{failure}",
+    )
 
 
-def _packed_qkv(out: TensorParallel, model: Model, n: str, inst, plan, spec):
+def _packed_qkv(out: TensorParallel, model: Model, n: str, inst, plan, spec, taken):
     """Record the [q; k; v] linear of `n` proven sharded as QKVParallelLinear: the
-    construction that builds it and the config branches the proof covers (sharded where
-    a config takes them too, whole on every rank elsewhere, said in its record); or
-    why not."""
-    taken = taken_branches(model.classes[n], inst)
-    if taken is None:
-        return UNREAD_BRANCHES
+    construction that builds it and the config branches it is pinned to (`taken`:
+    whole on every rank elsewhere, said in its record); or why not."""
     attrs = [a for a, s in plan.items() if s == sharding.QKV]
     outputs = {a: packed_qkv.built_outputs(model.classes[n], a, inst) for a in attrs}
     if not all(outputs.values()):
         return "the construction of its [q; k; v] linear is not read from the source"
-    if taken:
-        out.conditions[n] = taken
     out.qkv_outputs[n] = outputs
     out.records += [packed_qkv.record(n, a, inst, spec, taken) for a in attrs]
     return None

@@ -306,13 +306,3 @@ def decided_branches(info: ClassInfo, instance) -> list[DecidedBranch] | None:
             text = f"({text})"
         found.setdefault(text, DecidedBranch(text, taken))
     return list(found.values())
-
-
-def taken_branches(info: ClassInfo, instance) -> str | None:
-    """The branches of `decided_branches` as `instance` takes them, joined: what a
-    proof run on `instance` covers. "" where there are none; None where one cannot be
-    read."""
-    branches = decided_branches(info, instance)
-    if branches is None:
-        return None
-    return " and ".join(dict.fromkeys(b.text() for b in branches))
