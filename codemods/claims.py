@@ -52,6 +52,34 @@ class Model:
         """(args, kwargs, output) of `instance`'s first call in the probe, or None."""
         return self.probe.module_calls.get(id(instance))
 
+    def folded(self, cls: str) -> ClassInfo:
+        """`cls` with its forward as the copy emits it: the parameters vLLM never
+        passes (a cache, a cross-attention's states) folded to their values, so a
+        pattern reads the path the generated file runs."""
+        from dataclasses import replace
+
+        from .copying.inference import inference_folded
+
+        info = self.classes[cls]
+        if info.forward is None:
+            return info
+        return replace(info, forward=inference_folded(info.forward))
+
+    def inference_args(self, cls: str) -> dict:
+        """{parameter of `cls`'s forward vLLM never passes: the value it always has}
+        (what `folded` folds), for a trace of the path the generated file runs."""
+        import ast
+
+        import libcst.matchers as m
+
+        from .copying.simplify import INFERENCE_PARAMS
+
+        forward = self.classes[cls].forward
+        names = {p.name.value for p in m.findall(forward.params, m.Param())}
+        return {
+            k: ast.literal_eval(v) for k, v in INFERENCE_PARAMS.items() if k in names
+        }
+
     def unproven_branches(self, cls: str, instance, prove) -> str | None:
         """Why a sharding proven on `instance` is not proven on every combination of
         the branches `cls`'s config decides (`prove(other)` runs it on one

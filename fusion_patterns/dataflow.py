@@ -14,13 +14,42 @@ from .base import PatternRefused
 REL_TOL = 1e-5
 
 
-def trace(module: nn.Module) -> fx.Graph:
+def trace(module: nn.Module, concrete: dict | None = None) -> fx.Graph:
+    """vLLM's trace of `module.forward` (its `past_key_values` None); `concrete`: more
+    parameters at the values the generated file always has (a cross-attention's
+    `key_value_states` None), so the trace takes the path the file runs."""
     from vllm.model_executor.models.transformers.fx_utils import trace as vllm_trace
 
-    graph = vllm_trace(module)
+    graph = vllm_trace(module) if not concrete else _trace_with(module, concrete)
     if graph is None:
         raise PatternRefused(f"{type(module).__name__}.forward could not be traced")
     return graph
+
+
+def _trace_with(module: nn.Module, concrete: dict) -> fx.Graph | None:
+    """vLLM's `fx_utils.trace`, with `concrete` among its concrete arguments."""
+    import inspect
+
+    from vllm.model_executor.models.transformers import fx_utils
+
+    parameters = fx_utils.forward_parameters(type(module))
+    concrete_args = {k: v for k, v in concrete.items() if k in parameters}
+    if "past_key_values" in parameters:
+        concrete_args["past_key_values"] = None
+    tracer = fx_utils._AllLeafTracer()
+    tracer.varkw = next(
+        (
+            p.name
+            for p in parameters.values()
+            if p.kind is inspect.Parameter.VAR_KEYWORD
+        ),
+        None,
+    )
+    try:
+        with fx_utils._leaf_attention_interfaces():
+            return tracer.trace(module, concrete_args=concrete_args)
+    except Exception:  # noqa: BLE001 - the partial graph, as vLLM's trace returns it
+        return getattr(tracer, "graph", None)
 
 
 def module_calls(graph: fx.Graph) -> dict[str, list[fx.Node]]:

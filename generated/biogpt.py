@@ -8,11 +8,11 @@
 # architecture:  GeneratedBioGptForCausalLM -> BioGptForCausalLM
 # ======================================================================================
 # Fusion report:
+#   Fused: q_proj + k_proj + v_proj (BioGptAttention) -> qkv_proj (QKVParallelLinear)
 #   Fused: ACT2FN[config.hidden_act] (BioGptDecoderLayer) -> activation_fn (act_fn(config.hidden_act), vLLM's op for the 14 names one computes)
 #   Unfused: attention (BioGptAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: module (BioGptLearnedPositionalEmbedding): copied from the source
 #   Kept: embedding (BioGptScaledWordEmbedding): copied from the source onto VocabParallelEmbedding (sharded over the vocabulary as vLLM's own)
-#   Refused: q/k/v projections (BioGptAttention): key_states is assigned twice
 #   Refused: residual add + norm (BioGptDecoderLayer): self.self_attn_layer_norm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of BioGptForCausalLM, generated from transformers/models/biogpt/modeling_biogpt.py."""
@@ -29,10 +29,14 @@ from transformers.activations import ACT2FN
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -192,31 +196,19 @@ class BioGptAttention(nn.Module):
                 "will lead to errors during the forward call, if caching is used. Please make sure to provide a `layer_idx` "
                 "when creating this class."
             )
-
-        self.k_proj = ColumnParallelLinear(
+        # Fused: q_proj + k_proj + v_proj -> qkv_proj. Each rank holds its own heads
+        # of q, k and v; with fewer kv heads than ranks, k and v are replicated.
+        self.qkv_proj = QKVParallelLinear(
             embed_dim,
-            embed_dim,
+            self.head_dim,
+            self.embed_dim // self.head_dim,
+            self.embed_dim // self.head_dim,
             bias=bias,
             quant_config=quant_config,
-            prefix=f"{prefix}.k_proj",
-            return_bias=False,
+            prefix=f"{prefix}.qkv_proj",
         )
-        self.v_proj = ColumnParallelLinear(
-            embed_dim,
-            embed_dim,
-            bias=bias,
-            quant_config=quant_config,
-            prefix=f"{prefix}.v_proj",
-            return_bias=False,
-        )
-        self.q_proj = ColumnParallelLinear(
-            embed_dim,
-            embed_dim,
-            bias=bias,
-            quant_config=quant_config,
-            prefix=f"{prefix}.q_proj",
-            return_bias=False,
-        )
+        self.q_size = self.qkv_proj.num_heads * self.head_dim
+        self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
         self.out_proj = RowParallelLinear(
             embed_dim,
             embed_dim,
@@ -225,13 +217,8 @@ class BioGptAttention(nn.Module):
             prefix=f"{prefix}.out_proj",
             return_bias=False,
         )
-        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
-        # of the heads (the source's reshapes count heads per rank)
-        tp_size = get_tensor_model_parallel_world_size()
-        assert (
-            self.num_heads
-        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
-        self.num_heads = self.num_heads // tp_size
+        # the source's reshapes count this rank's heads
+        self.num_heads = self.qkv_proj.num_heads
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -244,10 +231,10 @@ class BioGptAttention(nn.Module):
             cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
-            self.num_heads,
+            self.qkv_proj.num_heads,
             self.head_dim,
             self.scaling,
-            num_kv_heads=self.num_heads,
+            num_kv_heads=self.qkv_proj.num_kv_heads,
             cache_config=cache_config,
             quant_config=quant_config,
             per_layer_sliding_window=sliding_window,
@@ -270,13 +257,16 @@ class BioGptAttention(nn.Module):
         input_shape = hidden_states.shape[:-1]
 
         hidden_shape = (*input_shape, -1, self.head_dim)
+        q, k, v = self.qkv_proj(hidden_states)[0].split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
 
         # get query proj
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states = q.view(hidden_shape).transpose(1, 2)
 
         current_states = hidden_states
-        key_states = self.k_proj(current_states)
-        value_states = self.v_proj(current_states)
+        key_states = k
+        value_states = v
         kv_shape = (*current_states.shape[:-1], -1, self.head_dim)
         key_states = key_states.view(kv_shape).transpose(1, 2)
         value_states = value_states.view(kv_shape).transpose(1, 2)
@@ -488,14 +478,20 @@ class BioGptModel(nn.Module):
 
 class BioGptForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {}
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "output_projection": "output_embeddings",
     }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
-    hf_to_vllm_mapper = WeightsMapper()
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+        }
+    )
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

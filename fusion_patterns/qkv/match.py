@@ -109,6 +109,40 @@ def _assignments(forward: cst.FunctionDef, name: str) -> list[cst.Assign]:
     return found
 
 
+def _head_size_attr(info: ClassInfo) -> str | None:
+    """The one attribute `__init__` names as the head size (`self.head_dim`)."""
+    found = [a for a in info.attrs if "head_dim" in a or a.endswith("head_size")]
+    return found[0] if len(found) == 1 else None
+
+
+def _as_attr(info: ClassInfo, width: cst.BaseExpression) -> cst.BaseExpression:
+    """`width` as the attribute `__init__` stores it in (`embed_dim` ->
+    `self.embed_dim`), readable on the module as well as in `__init__`."""
+    for attr, value in info.attrs.items():
+        if code(value) == code(width):
+            return self_attr_node(attr)
+    if isinstance(width, (cst.Name, cst.Attribute)):
+        return width
+    return width.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+
+
+def self_attr_node(attr: str) -> cst.Attribute:
+    return cst.Attribute(value=cst.Name("self"), attr=cst.Name(attr))
+
+
+def _aliased(forward: cst.FunctionDef, name: str) -> str:
+    """The name `name` stands for where it is assigned once, from another name
+    (BioGPT's `current_states = hidden_states`, its cross-attention folded away)."""
+    for _ in range(8):
+        found = m.findall(
+            forward, m.Assign(targets=[m.AssignTarget(target=m.Name(name))])
+        )
+        if len(found) != 1 or not isinstance(found[0].value, cst.Name):
+            return name
+        name = found[0].value.value
+    return name
+
+
 class _Substitute(cst.CSTTransformer):
     def __init__(self, name: str, value: cst.BaseExpression):
         self.name, self.value = name, value
@@ -230,7 +264,7 @@ def _extract(
         raise PatternRefused(
             "query, key and value do not come from three distinct projections"
         )
-    inputs = {u[1] for u in unwrapped}
+    inputs = {_aliased(info.forward, u[1]) for u in unwrapped}
     if len(inputs) != 1:
         raise PatternRefused(
             f"the projections read different tensors ({', '.join(sorted(inputs))})"
@@ -251,14 +285,22 @@ def _extract(
     heads, head_dims = [], set()
     outs = _packed_sizes(info, args[0][1]) if packed else [a[1] for a in args]
     for out in outs:
-        if not m.matches(
-            out, m.BinaryOperation(operator=m.Multiply(), right=self_attr())
-        ):
+        if m.matches(out, m.BinaryOperation(operator=m.Multiply(), right=self_attr())):
+            heads.append(out.left)
+            head_dims.add(out.right.attr.value)
+        elif (size := _head_size_attr(info)) is not None:
+            # a width (BioGPT's `embed_dim`): its heads are the width over the head
+            # size; the merged GEMM's proof checks the counts on the tiny module
+            heads.append(
+                cst.BinaryOperation(
+                    _as_attr(info, out), cst.FloorDivide(), self_attr_node(size)
+                )
+            )
+            head_dims.add(size)
+        else:
             raise PatternRefused(
                 f"output size `{code(out)}` is not `<heads> * self.<head_dim>`"
             )
-        heads.append(out.left)
-        head_dims.add(out.right.attr.value)
     if len(head_dims) != 1 or code(heads[1]) != code(heads[2]):
         raise PatternRefused("key and value do not share one head layout")
 

@@ -31,9 +31,15 @@ class QKVMerge(Pattern):
             if attention.eager is not None or model.claimed_whole(n):
                 continue
             found = match(model.classes[n], head_norms, lenient=True)
+            concrete = None
             if isinstance(found, Refusal):
-                yield found
-                continue
+                # read again as the copy runs it: a cross-attention's cached keys
+                # (BioGPT's second `key_states = ...`) are gone there
+                folded = match(model.folded(n), head_norms, lenient=True)
+                if isinstance(folded, Refusal) or folded is None:
+                    yield found
+                    continue
+                found, concrete = folded, model.inference_args(n)
             if (
                 found is None
                 or found.packed
@@ -42,7 +48,7 @@ class QKVMerge(Pattern):
                 continue
             inst = model.first(n)
             try:
-                proof.prove_dataflow(found, inst)
+                proof.prove_dataflow(found, inst, concrete)
                 proof.prove_merged_gemm(found, inst, model.config)
             except PatternRefused as why:
                 yield Refusal(NAME, n, WHAT, str(why))

@@ -32,12 +32,13 @@ def prove(
     )
 
 
-def prove_dataflow(spec: QKVSpec, module) -> None:
+def prove_dataflow(spec: QKVSpec, module, concrete: dict | None = None) -> None:
     """q, k and v read one graph node nothing mutates; the attention call's query, key
-    and value come from q, k and v; the output projection reads only the attention."""
+    and value come from q, k and v; the output projection reads only the attention.
+    `concrete`: forward parameters traced at a value (see `dataflow.trace`)."""
     from ..dataflow import mutated_in_place, single_call, trace, upstream_linears
 
-    graph = trace(module)
+    graph = trace(module, concrete)
     q, k, v = (single_call(graph, p) for p in spec.projections)
     source = q.args[0]
     if not (source is k.args[0] is v.args[0]):
