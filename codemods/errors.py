@@ -12,3 +12,13 @@ class CodemodError(Exception):
 
 class FinalError(CodemodError):
     final = True
+
+
+def error_line(error: str) -> str:
+    """An error's most telling line: a pydantic validator's own message (vLLM's config
+    checks) rather than its "1 validation error for ModelConfig" header."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()] or [""]
+    for line in lines[1:]:
+        if line.startswith("Value error, "):
+            return line[len("Value error, ") :].split(" [type=")[0]
+    return lines[0]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import reduced_precision
-from .errors import CodemodError
+from .errors import CodemodError, error_line
 
 GENERATED = Path(__file__).resolve().parent.parent / "generated"
 TOLERANCE = 1e-4
@@ -516,6 +516,30 @@ _no_progress = _NoProgress()
 BACKEND_MODULE = "vllm.model_executor.models.transformers"
 
 
+def backend_only(name: str, trust_remote_code: bool = False) -> dict:
+    """vLLM's Transformers backend alone on the tiny checkpoint verify would build for
+    `name`'s causal LM (its first tiny config), against transformers: what a user of
+    the backend gets where this toolkit generates nothing (a refused file)."""
+    import torch
+
+    from . import loading, reference, roles, tiny
+    from .source import load
+
+    source = load(name)
+    pymodule = loading.load_module(source, trust_remote_code)
+    causal_cls = roles.causal_class(pymodule, source.classes, source)
+    config = tiny_configs(name, causal_cls, {}, None, 1, 1, trust_remote_code)[0]
+    with tempfile.TemporaryDirectory(prefix="backend-") as tmp:
+        model = tiny.build_checkpoint(
+            causal_cls, config.config, Path(tmp), raw_config=config.raw, layout="saved"
+        )
+        prompts = prompts_for(model.config.vocab_size)
+        with torch.no_grad():
+            ref = reference.greedy_with_logprobs(model, prompts, MAX_TOKENS)
+        del model
+        return _backend(tmp, causal_cls.__name__, prompts, ref, 1, 1)
+
+
 def _backend(
     ckpt: str, arch: str, prompts, ref, tp: int, pp: int, block_size=None
 ) -> dict:
@@ -534,8 +558,8 @@ def _backend(
             block_size=block_size,
         )
     except Exception as exc:  # the backend cannot serve it: say why, in one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return {"ok": False, "error": f"{type(exc).__name__}: {first}"[:300]}
+        why = error_line(str(exc))
+        return {"ok": False, "error": f"{type(exc).__name__}: {why}"[:300]}
     max_diff, tokens_equal = compare(prompts, ref, ran)
     ran_backend = ran.impl.startswith(BACKEND_MODULE)
     out = {
@@ -548,6 +572,48 @@ def _backend(
     if not ran_backend:
         out["error"] = f"vLLM ran {ran.impl}, not its Transformers backend"
     return out
+
+
+def safe_backend_only(name: str) -> dict:
+    """`backend_only` in a process of its own (the backend patches transformers'
+    classes in the process that runs it), or why no tiny checkpoint of the source
+    could be built for it."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _BACKEND_ONLY, name],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    said = [
+        line.removeprefix(_FAILED)
+        for line in proc.stderr.splitlines()
+        if line.startswith(_FAILED)
+    ]
+    why = said[-1] if said else error_line(proc.stderr.strip() or "no output")
+    return {"ok": False, "error": f"no tiny checkpoint: {why}"[:300]}
+
+
+_FAILED = "backend-only failed: "
+# one line of JSON; a failure before the engine (the source's own tiny model) exits 1
+# with its message on a line of stderr starting with _FAILED
+_BACKEND_ONLY = """
+import json, sys
+from codemods.errors import error_line
+from codemods.logs import quiet_vllm_logging
+from codemods.verify import backend_only
+quiet_vllm_logging()
+try:
+    result = backend_only(sys.argv[1])
+except Exception as exc:
+    sys.stderr.write("\\nbackend-only failed: " + error_line(str(exc)) + "\\n")
+    sys.exit(1)
+print(json.dumps(result))
+"""
 
 
 def compare(prompts, ref, ran, prompt_positions: bool = True) -> tuple[float, bool]:

@@ -895,13 +895,10 @@ def model_cell(key: str, model: dict, machine: str | None = None) -> str:
 
 
 def error_line(error: str) -> str:
-    """An error's most telling line, short: a pydantic validator's own message (vLLM's
-    config checks) rather than its "1 validation error for ModelConfig" header."""
-    lines = [line.strip() for line in error.splitlines() if line.strip()] or [""]
-    for line in lines[1:]:
-        if line.startswith("Value error, "):
-            return line[len("Value error, ") :].split(" [type=")[0][:160]
-    return lines[0][:160]
+    """An error's most telling line, short (see `codemods.errors.error_line`)."""
+    from codemods.errors import error_line as telling
+
+    return telling(error)[:160]
 
 
 def not_compared(results: dict, key: str, other: str) -> str:

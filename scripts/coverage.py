@@ -155,6 +155,11 @@ def run_one(name: str, backend: bool, tp2: bool = True) -> dict:
         row.update(status=status, reason=reason)
         if status != "bug":
             row["apply_s"] = round(time.time() - start, 1)
+        if status == "refused" and backend:
+            # in scope, nothing generated: does the backend serve it?
+            from codemods.verify import safe_backend_only
+
+            row["backend"] = safe_backend_only(name)
         return row
     row.update(
         layout=plan.layout,
@@ -262,6 +267,19 @@ def backend_misses(ours: list[str], backend: list[str]) -> list[tuple[str, str]]
             if part is not None and not covered(part):
                 out.append((part["src"], part["cls"]))
     return out
+
+
+def backend_result_cell(b: dict) -> str:
+    """How vLLM's Transformers backend ran the row's tiny checkpoint."""
+    bdiff = b.get("max_abs_logprob_diff")
+    if not b:
+        return "-"
+    if b.get("ok"):
+        return f"ok ({bdiff:.1e})"
+    if isinstance(bdiff, float):
+        tokens = "equal" if b.get("tokens_equal") else "differ"
+        return f"wrong ({bdiff:.1e}, tokens {tokens})"
+    return f"fails: {b.get('error', '')}"
 
 
 def backend_cell(row: dict) -> str:
@@ -449,20 +467,7 @@ def markdown(
                 if v.get("ok")
                 else f"FAIL: {v.get('error') or ('max diff %.2e' % diff if isinstance(diff, float) else '')}"
             )
-            bdiff = b.get("max_abs_logprob_diff")
-            backend = (
-                "-"
-                if not b
-                else (
-                    f"ok ({bdiff:.1e})"
-                    if b.get("ok")
-                    else (
-                        f"wrong ({bdiff:.1e}, tokens {'equal' if b.get('tokens_equal') else 'differ'})"
-                        if isinstance(bdiff, float)
-                        else f"fails: {b.get('error', '')}"
-                    )
-                )
-            )
+            backend = backend_result_cell(b)
             parts = f"{len(r.get('fused', []))} / {len(r.get('unfused', []))}"
             bfused = str(
                 sum(1 for line in b.get("fused", []) if line.startswith("Fused:"))
@@ -472,6 +477,19 @@ def markdown(
             share, parity = tp2_cell(r), backend_cell(r)
         else:
             verify = backend = parts = bfused = kinds = share = parity = "-"
+            if r["status"] == "refused":  # what a user of the backend gets instead
+                backend = backend_result_cell(b)
+                bfused = (
+                    str(
+                        sum(
+                            1
+                            for line in b.get("fused", [])
+                            if line.startswith("Fused:")
+                        )
+                    )
+                    if b
+                    else "-"
+                )
             reason = r.get("reason", "")
             # the reason of an out-of-scope row starts with its status
             reason = reason.removeprefix(r["status"] + ": ")
@@ -501,6 +519,9 @@ def markdown(
         '"fused / unfused" counts the generated file\'s `Fused:` and `Unfused:` report',
         'lines; "backend fused" counts the `Fused:` lines vLLM\'s Transformers backend',
         "logged for the same checkpoint. `benchmarks/coverage.json` has every line of both.",
+        "On a refused row the backend ran alone, on the tiny checkpoint verify would build",
+        "for it (its first tiny config), in a process of its own: what a user of vLLM gets",
+        "where this toolkit generates nothing.",
         '"fuses what the backend fuses": "all" when every part the backend fused is fused',
         "in the generated file too (a norm by its attribute, a projection merge by its class",
         "and projections, the experts, latent attention), else the parts it misses and the",

@@ -88,3 +88,48 @@ def test_an_out_of_scope_row_says_its_status_once():
     line = next(l for l in table.splitlines() if l.startswith("| modeling_x.py"))
     assert "| out of scope: encoder (bidirectional: ...)" in line
     assert "out of scope: out of scope" not in line
+
+
+def _cells(row: dict) -> list[str]:
+    table = coverage.markdown([row], {row["file"]: ["x"]}, 60)
+    line = next(l for l in table.splitlines() if l.startswith(f"| {row['file']}"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_a_refused_row_says_what_the_backend_does_with_the_same_model():
+    # nothing generated: the backend's own run is what a user of vLLM gets instead
+    wrong = {
+        "ok": False,
+        "max_abs_logprob_diff": 0.82,
+        "tokens_equal": False,
+        "fused": ["Fused: input_layernorm (DogeRMSNorm) -> RMSNorm (CustomOp)"],
+    }
+    row = {
+        "file": "modeling_doge.py",
+        "status": "refused",
+        "reason": "cannot ...",
+        "backend": wrong,
+    }
+    cells = _cells(row)
+    assert cells[8] == "wrong (8.2e-01, tokens differ)"
+    assert cells[9] == "1"  # its one Fused: line
+    failing = {**row, "backend": {"ok": False, "error": "no tiny checkpoint: X"}}
+    assert _cells(failing)[8] == "fails: no tiny checkpoint: X"
+    # an out-of-scope row is not one the backend is asked to serve
+    other = {"file": "modeling_y.py", "status": "out of scope", "reason": "encoder"}
+    assert _cells(other)[8] == "-"
+
+
+def test_a_validator_error_is_said_by_its_own_message():
+    from codemods.errors import error_line
+
+    error = (
+        "1 validation error for ModelConfig\n"
+        "  Value error, The Transformers implementation of 'X' is not compatible "
+        "with vLLM. [type=value_error, input_value=ArgsKwargs((), {})]\n"
+        "    For further information visit https://errors.pydantic.dev"
+    )
+    assert error_line(error) == (
+        "The Transformers implementation of 'X' is not compatible with vLLM."
+    )
+    assert error_line("KeyError: 'vllm'\nmore") == "KeyError: 'vllm'"

@@ -46,3 +46,17 @@ def test_a_sub_config_an_override_set_is_printed_as_its_fields():
     result = {"overrides": {"attn_config": DbrxAttentionConfig(kv_n_heads=2)}}
     line = json.loads(json.dumps(result, default=_plain))
     assert line["overrides"]["attn_config"]["kv_n_heads"] == 2
+
+
+def test_the_backend_alone_on_a_source_with_no_tiny_model_says_so_in_one_line():
+    # a refused row's backend run (coverage): the source's own tiny model fails first,
+    # in the subprocess the backend would run in
+    from codemods.verify import safe_backend_only
+
+    result = safe_backend_only("modeling_qwen4_exp.py")
+    assert result == {
+        "ok": False,
+        "error": "no tiny checkpoint: cannot build a tiny Qwen4ExpForCausalLM from the "
+        "source: TypeError: unsupported operand type(s) for //: 'NoneType' and "
+        "'NoneType'",
+    }
