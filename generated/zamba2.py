@@ -23,7 +23,7 @@
 #   Unfused: module (Zamba2MLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
 #   Unfused: attention (Zamba2Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: tensor parallel (Zamba2MLP): replicated: sharded over 2 ranks it fails (RuntimeError: The size of tensor a (688) must match the size of tensor b (1376) at non-singleton dimension 2)
-#   Unfused: tensor parallel (Zamba2Attention): replicated: sharded over 2 ranks it fails (RuntimeError: The size of tensor a (320) must match the size of tensor b (640) at non-singleton dimension 2)
+#   Unfused: tensor parallel (Zamba2Attention): sharded where `not config.use_shared_attention_adapter` (proven with config.use_shared_attention_adapter=False), whole on every rank elsewhere (the tiny config's way: over 2 ranks it fails (RuntimeError: The size of tensor a (320) must match the size of tensor b (640) at non-singleton dimension 2))
 #   Refused: gate/up projections (Zamba2MLP): forward has no `down(act(gate(x)) * up(x))` product
 #   Refused: q/k/v projections (Zamba2Attention): no single attention call in the traced forward
 #   Refused: residual add + norm (Zamba2MambaDecoderLayer): `# `transformer_hidden_states` is the output from shared transformer + linear layer (see fig. 2 in https://huggingface.co/papers/2405.16712).` is not a norm of the saved stream
@@ -42,14 +42,16 @@ from transformers.activations import ACT2FN
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     ReplicatedLinear,
+    RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
@@ -300,34 +302,38 @@ class Zamba2Attention(nn.Module):
         self.is_causal = True
         self.attention_dropout = config.attention_dropout
 
-        self.q_proj = ReplicatedLinear(
+        self.q_proj = ColumnParallelLinear(
             config.attention_hidden_size,
             config.num_attention_heads * self.head_dim,
             bias=False,
+            disable_tp=config.use_shared_attention_adapter,
             quant_config=quant_config,
             prefix=f"{prefix}.q_proj",
             return_bias=False,
         )
-        self.k_proj = ReplicatedLinear(
+        self.k_proj = ColumnParallelLinear(
             config.attention_hidden_size,
             config.num_key_value_heads * self.head_dim,
             bias=False,
+            disable_tp=config.use_shared_attention_adapter,
             quant_config=quant_config,
             prefix=f"{prefix}.k_proj",
             return_bias=False,
         )
-        self.v_proj = ReplicatedLinear(
+        self.v_proj = ColumnParallelLinear(
             config.attention_hidden_size,
             config.num_key_value_heads * self.head_dim,
             bias=False,
+            disable_tp=config.use_shared_attention_adapter,
             quant_config=quant_config,
             prefix=f"{prefix}.v_proj",
             return_bias=False,
         )
-        self.o_proj = ReplicatedLinear(
+        self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim,
             config.hidden_size,
             bias=False,
+            disable_tp=config.use_shared_attention_adapter,
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
             return_bias=False,
@@ -396,6 +402,16 @@ class Zamba2Attention(nn.Module):
             is_neox_style=True,
             rope_parameters=config.rope_parameters,
         )
+        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
+        # of the heads (the source's reshapes count heads per rank)
+        tp_size = (
+            get_tensor_model_parallel_world_size()
+            if not config.use_shared_attention_adapter
+            else 1
+        )
+        assert (
+            config.num_key_value_heads
+        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -408,10 +424,10 @@ class Zamba2Attention(nn.Module):
             cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
-            config.num_attention_heads,
+            config.num_attention_heads // tp_size,
             self.head_dim,
             self.scaling,
-            num_kv_heads=config.num_key_value_heads,
+            num_kv_heads=config.num_key_value_heads // tp_size,
             cache_config=cache_config,
             quant_config=quant_config,
             per_layer_sliding_window=sliding_window,

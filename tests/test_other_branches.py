@@ -134,3 +134,46 @@ def test_a_combination_failing_without_a_pinned_branch_pins_them_all():
 )
 def test_a_negated_test_reads_as_the_source_would_write_it(test, want):
     assert negated(test) == want
+
+
+def test_a_class_failing_on_the_tiny_configs_way_is_sharded_where_another_way_holds():
+    # StableLM's per-head q/k layernorms (its tiny config's way) index every head on
+    # each rank; without them (StableLM 2 1.6B) the attention shards as vLLM's does
+    plan, text = generate("modeling_stablelm.py")
+    (line,) = [
+        u.describe()
+        for u in plan.unfused
+        if u.source_class == "StableLmAttention" and u.what == "tensor parallel"
+    ]
+    assert "sharded where `not config.qk_layernorm` (proven with " in line, line
+    assert "config.qk_layernorm=False), whole on every rank elsewhere" in line, line
+    attention = text[text.index("class StableLmAttention") :]
+    attention = attention[: attention.index("def forward")]
+    assert attention.count("disable_tp=config.qk_layernorm,") == 4  # q, k, v, o
+    assert "self.q_proj = ColumnParallelLinear(" in attention
+    assert "self.o_proj = RowParallelLinear(" in attention
+
+
+def test_ways_taken_together_are_said_in_as_few_tests_as_they_need():
+    branches = _branches(2)
+    # f0 flipped, with f1 either way: f1 is not tested
+    assert branches.any_of([frozenset({0}), frozenset({0, 1})]) == "not config.f0"
+    assert branches.any_of([frozenset({0})]) == "not config.f0 and config.f1"
+    assert branches.any_of([frozenset({0}), frozenset({1})]) == (
+        "(not config.f0 and config.f1) or (config.f0 and not config.f1)"
+    )
+
+
+def test_a_way_that_builds_none_of_the_sharded_linears_proves_nothing():
+    from types import SimpleNamespace
+
+    from codemods.copying import _proven_building
+
+    plan = {"q_proj": "colwise", "o_proj": "rowwise"}
+    bare = SimpleNamespace(instance=SimpleNamespace(q_proj=None, o_proj=None))
+    built = SimpleNamespace(instance=SimpleNamespace(q_proj=object(), o_proj=None))
+    assert "builds none of the linears" in _proven_building(bare, plan, lambda o: None)
+    assert _proven_building(built, plan, lambda o: None) is None
+    # a plan that shards nothing (gathered outputs) is as proven as on the tiny way
+    gathered = {"q_proj": "colwise_gather_output"}
+    assert _proven_building(bare, gathered, lambda o: None) is None

@@ -397,7 +397,9 @@ def _tp_styles(model: Model) -> TensorParallel:
                 break
         if why is None:  # and on every other way its config branches can go
             counted = heads + out.divided.get(n, [])
-            pin = _pinned(model, n, kinds[0], lambda o: proven_on(o, plan, counted))
+            pin = _pinned(
+                model, n, kinds[0], plan, lambda o: proven_on(o, plan, counted)
+            )
             if isinstance(pin, str):
                 why = pin
             elif sharding.QKV in plan.values():  # its record says where it is whole
@@ -409,11 +411,63 @@ def _tp_styles(model: Model) -> TensorParallel:
                     out.divided[n] = [*out.divided.get(n, []), *held]
             if why is None and pin[0]:
                 out.conditions[n] = pin[0]
+        elif not held and sharding.QKV not in plan.values():
+            # the tiny config's way fails: sharded where another way is proven
+            options = sharding.candidates(inst, plan, countings[0], kv)
+            found = _sharded_elsewhere(
+                model,
+                n,
+                kinds[0],
+                options,
+                lambda o, option: proven_on(o, option, countings[0]),
+            )
+            if found is not None:
+                plan, taken, label = found
+                out.conditions[n] = taken
+                there = why.removeprefix("sharded ")
+                notes.append(
+                    Unfused(
+                        n,
+                        "tensor parallel",
+                        f"sharded where `{taken}` (proven with {label}), whole on "
+                        f"every rank elsewhere (the tiny config's way: {there})",
+                    )
+                )
+                why = None
         if why is None:
             styles[n] = plan
         else:
             notes.append(Unfused(n, "tensor parallel", f"replicated: {why}"))
     return out
+
+
+def _branches_of(model: Model, n: str, kind):
+    """`n` rebuilt on each other way its config branches go (`other_branches`), but
+    a branch reading weights as tensors, which the module checks when it is built."""
+    inst, call = kind
+    settled = model.branch_reads.get(n)
+    return other_branches(
+        model.classes[n], inst, call, model.config, settled and settled.init_test
+    )
+
+
+def _sharded_elsewhere(model: Model, n: str, kind, options, proven_on):
+    """(plan, the ways of `n`'s config branches it is proven on, joined, the config
+    first proven) for the first candidate plan that some other way of its branches
+    proves, where the tiny config's way fails; or None."""
+    branches = _branches_of(model, n, kind)
+    if branches is None:
+        return None
+    for option in options:
+        ways = [
+            other
+            for other in branches.others
+            if other.instance is not None
+            and _proven_building(other, option, lambda o: proven_on(o, option)) is None
+        ]
+        if ways:
+            return option, branches.any_of([o.flipped for o in ways]), ways[0].label
+    return None
 
 
 def _held_kv_attrs(spec, inst) -> list[str]:
@@ -433,24 +487,30 @@ def _held_kv_attrs(spec, inst) -> list[str]:
     ]
 
 
-def _pinned(model: Model, n: str, kind, proven_on) -> tuple[str, str] | str:
+def _proven_building(other, plan: dict[str, str], proven_on) -> str | None:
+    """`proven_on(other)`, where `other` builds a linear the plan shards (a proof of
+    none is no proof: the class's head counts are divided all the same)."""
+    sharded = [a for a, s in plan.items() if sharding.is_column(s) or s == "rowwise"]
+    if sharded and all(getattr(other.instance, a, None) is None for a in sharded):
+        return "sharded, it builds none of the linears the plan shards"
+    return proven_on(other)
+
+
+def _pinned(
+    model: Model, n: str, kind, plan: dict[str, str], proven_on
+) -> tuple[str, str] | str:
     """(the branches `n`'s sharding is pinned to, as the tiny config takes them, and
     the first failure that pins them): ("", "") where it holds on every combination of
     its config branches; pinned to those whose other way fails or builds nothing to
     prove. A string: why it cannot be sharded at all."""
-    inst, call = kind
-    # a branch reading weights as tensors is checked when the module is built
-    settled = model.branch_reads.get(n)
-    branches = other_branches(
-        model.classes[n], inst, call, model.config, settled and settled.init_test
-    )
+    branches = _branches_of(model, n, kind)
     if branches is None:
         return UNREAD_BRANCHES
     failed: dict[frozenset[int], str] = {}
     for other in branches.others:
         if other.instance is None:
             failed[other.flipped] = other.label
-        elif (why := proven_on(other)) is not None:
+        elif (why := _proven_building(other, plan, proven_on)) is not None:
             failed[other.flipped] = other.failed(why)
     if not failed:
         return "", ""

@@ -62,6 +62,35 @@ class Branches:
             return code(cst.parse_expression(pins[0]).with_changes(lpar=[], rpar=[]))
         return " and ".join(pins)
 
+    def any_of(self, ways: list[frozenset[int]]) -> str:
+        """The config test taking one of `ways` (each a set of branches flipped from
+        the tiny config's), simplified: a branch both ways of which are among them is
+        not tested (`(a and b) or (a and not b)` is `a`)."""
+        terms = {
+            frozenset((i, b.taken != (i in w)) for i, b in enumerate(self.decided))
+            for w in ways
+        }
+        merged = True
+        while merged:
+            merged = False
+            for term in sorted(terms, key=sorted):
+                for i, value in term:
+                    other = (term - {(i, value)}) | {(i, not value)}
+                    if other in terms:
+                        terms -= {term, other}
+                        terms.add(term - {(i, value)})
+                        merged = True
+                        break
+                if merged:
+                    break
+        texts = [
+            " and ".join(self.decided[i].text(v) for i, v in sorted(t))
+            for t in sorted(terms, key=sorted)
+        ]
+        if len(texts) == 1:
+            return code(cst.parse_expression(texts[0]).with_changes(lpar=[], rpar=[]))
+        return " or ".join(f"({t})" if " and " in t else t for t in texts)
+
 
 def other_branches(
     info: ClassInfo, instance, call, config, settled: str | None = None
