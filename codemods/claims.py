@@ -70,33 +70,37 @@ class Model:
         (what `folded` folds), for a trace of the path the generated file runs."""
         import ast
 
-        import libcst.matchers as m
+        from .copying.inference import inference_values
 
-        from .copying.simplify import INFERENCE_PARAMS
+        values = inference_values(self.classes[cls].forward)
+        return {k: ast.literal_eval(v) for k, v in values.items()}
 
-        forward = self.classes[cls].forward
-        names = {p.name.value for p in m.findall(forward.params, m.Param())}
-        return {
-            k: ast.literal_eval(v) for k, v in INFERENCE_PARAMS.items() if k in names
-        }
+    def other_ways(self, cls: str, instance, call):
+        """`cls` rebuilt on each other way its config branches go
+        (`other_branches.other_branches`), but a branch reading weights as tensors,
+        which the module checks when it is built; None where one cannot be read."""
+        from .copying.other_branches import other_branches
 
-    def unproven_branches(self, cls: str, instance, prove) -> str | None:
-        """Why a sharding proven on `instance` is not proven on every combination of
-        the branches `cls`'s config decides (`prove(other)` runs it on one
-        `other_branches.OtherBranch`), or None."""
-        from .copying.other_branches import UNREAD_BRANCHES, other_branches
-
-        branches = other_branches(
-            self.classes[cls], instance, self.call(instance), self.config
+        settled = self.branch_reads.get(cls)
+        return other_branches(
+            self.classes[cls],
+            instance,
+            call,
+            self.config,
+            settled and settled.init_test,
         )
+
+    def unproven_branches(self, cls: str, instance, plan, prove) -> str | None:
+        """Why `plan`, proven on `instance`, is not proven on every combination of the
+        branches `cls`'s config decides (`prove(other)` runs it on one other way), or
+        None."""
+        from .copying.other_branches import UNREAD_BRANCHES
+
+        branches = self.other_ways(cls, instance, self.call(instance))
         if branches is None:
             return UNREAD_BRANCHES
-        for other in branches.others:
-            if other.instance is None:
-                return other.label
-            if (why := prove(other)) is not None:
-                return other.failed(why)
-        return None
+        failed = branches.failures(plan, prove)
+        return failed[min(failed, key=len)] if failed else None
 
     def claimed_whole(self, cls: str) -> bool:
         return any(

@@ -282,6 +282,11 @@ def backend_result_cell(b: dict) -> str:
     return f"fails: {b.get('error', '')}"
 
 
+def backend_fused_cell(b: dict) -> str:
+    """How many `Fused:` lines the backend logged."""
+    return str(sum(1 for line in b.get("fused", []) if line.startswith("Fused:")))
+
+
 def backend_cell(row: dict) -> str:
     """Whether the generated file fuses every part the backend fuses, or which not and
     why (the generated file's refusal of that class, where it gave one)."""
@@ -469,9 +474,7 @@ def markdown(
             )
             backend = backend_result_cell(b)
             parts = f"{len(r.get('fused', []))} / {len(r.get('unfused', []))}"
-            bfused = str(
-                sum(1 for line in b.get("fused", []) if line.startswith("Fused:"))
-            )
+            bfused = backend_fused_cell(b)
             result = r["status"]
             kinds = layer_types_cell(v)
             share, parity = tp2_cell(r), backend_cell(r)
@@ -479,17 +482,7 @@ def markdown(
             verify = backend = parts = bfused = kinds = share = parity = "-"
             if r["status"] == "refused":  # what a user of the backend gets instead
                 backend = backend_result_cell(b)
-                bfused = (
-                    str(
-                        sum(
-                            1
-                            for line in b.get("fused", [])
-                            if line.startswith("Fused:")
-                        )
-                    )
-                    if b
-                    else "-"
-                )
+                bfused = backend_fused_cell(b) if b else "-"
             reason = r.get("reason", "")
             # the reason of an out-of-scope row starts with its status
             reason = reason.removeprefix(r["status"] + ": ")

@@ -167,13 +167,17 @@ def test_ways_taken_together_are_said_in_as_few_tests_as_they_need():
 def test_a_way_that_builds_none_of_the_sharded_linears_proves_nothing():
     from types import SimpleNamespace
 
-    from codemods.copying import _proven_building
+    from codemods.copying.other_branches import OtherBranch
+
+    def failures(instance, plan):
+        other = OtherBranch(frozenset({0}), "config.f0=False", instance, ())
+        return Branches(_branches(1).decided, [other]).failures(plan, lambda o: None)
 
     plan = {"q_proj": "colwise", "o_proj": "rowwise"}
-    bare = SimpleNamespace(instance=SimpleNamespace(q_proj=None, o_proj=None))
-    built = SimpleNamespace(instance=SimpleNamespace(q_proj=object(), o_proj=None))
-    assert "builds none of the linears" in _proven_building(bare, plan, lambda o: None)
-    assert _proven_building(built, plan, lambda o: None) is None
+    bare = SimpleNamespace(q_proj=None, o_proj=None)
+    built = SimpleNamespace(q_proj=object(), o_proj=None)
+    assert "builds none of the linears" in failures(bare, plan)[frozenset({0})]
+    assert failures(built, plan) == {}
     # a plan that shards nothing (gathered outputs) is as proven as on the tiny way
     gathered = {"q_proj": "colwise_gather_output"}
-    assert _proven_building(bare, gathered, lambda o: None) is None
+    assert failures(bare, gathered) == {}

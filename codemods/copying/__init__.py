@@ -20,7 +20,7 @@ from . import head_rows, packed_qkv, positions
 from .classes import CONV1D, LINEARS, Context, prefix_classes
 from .classes import rewrite_class
 from .config_branches import linear_reads
-from .other_branches import UNREAD_BRANCHES, other_branches
+from .other_branches import UNREAD_BRANCHES
 from .definitions import Definitions
 
 if TYPE_CHECKING:
@@ -441,30 +441,16 @@ def _tp_styles(model: Model) -> TensorParallel:
     return out
 
 
-def _branches_of(model: Model, n: str, kind):
-    """`n` rebuilt on each other way its config branches go (`other_branches`), but
-    a branch reading weights as tensors, which the module checks when it is built."""
-    inst, call = kind
-    settled = model.branch_reads.get(n)
-    return other_branches(
-        model.classes[n], inst, call, model.config, settled and settled.init_test
-    )
-
-
 def _sharded_elsewhere(model: Model, n: str, kind, options, proven_on):
     """(plan, the ways of `n`'s config branches it is proven on, joined, the config
     first proven) for the first candidate plan that some other way of its branches
     proves, where the tiny config's way fails; or None."""
-    branches = _branches_of(model, n, kind)
+    branches = model.other_ways(n, *kind)
     if branches is None:
         return None
     for option in options:
-        ways = [
-            other
-            for other in branches.others
-            if other.instance is not None
-            and _proven_building(other, option, lambda o: proven_on(o, option)) is None
-        ]
+        failed = branches.failures(option, lambda o: proven_on(o, option))
+        ways = [o for o in branches.others if o.flipped not in failed]
         if ways:
             return option, branches.any_of([o.flipped for o in ways]), ways[0].label
     return None
@@ -487,15 +473,6 @@ def _held_kv_attrs(spec, inst) -> list[str]:
     ]
 
 
-def _proven_building(other, plan: dict[str, str], proven_on) -> str | None:
-    """`proven_on(other)`, where `other` builds a linear the plan shards (a proof of
-    none is no proof: the class's head counts are divided all the same)."""
-    sharded = [a for a, s in plan.items() if sharding.is_column(s) or s == "rowwise"]
-    if sharded and all(getattr(other.instance, a, None) is None for a in sharded):
-        return "sharded, it builds none of the linears the plan shards"
-    return proven_on(other)
-
-
 def _pinned(
     model: Model, n: str, kind, plan: dict[str, str], proven_on
 ) -> tuple[str, str] | str:
@@ -503,15 +480,10 @@ def _pinned(
     the first failure that pins them): ("", "") where it holds on every combination of
     its config branches; pinned to those whose other way fails or builds nothing to
     prove. A string: why it cannot be sharded at all."""
-    branches = _branches_of(model, n, kind)
+    branches = model.other_ways(n, *kind)
     if branches is None:
         return UNREAD_BRANCHES
-    failed: dict[frozenset[int], str] = {}
-    for other in branches.others:
-        if other.instance is None:
-            failed[other.flipped] = other.label
-        elif (why := _proven_building(other, plan, proven_on)) is not None:
-            failed[other.flipped] = other.failed(why)
+    failed = branches.failures(plan, proven_on)
     if not failed:
         return "", ""
     return branches.pinned(set(failed)), failed[min(failed, key=len)]

@@ -62,13 +62,18 @@ def clean_signature(func: cst.FunctionDef, drop: set[str]) -> cst.FunctionDef:
     return func.with_changes(params=new, returns=_clean_annotation(func.returns))
 
 
+def inference_values(func: cst.FunctionDef) -> dict[str, str]:
+    """{parameter of `func` vLLM never passes: the source text of its value}."""
+    names = {p.name.value for p in m.findall(func.params, m.Param())}
+    return {k: v for k, v in INFERENCE_PARAMS.items() if k in names}
+
+
 def inference_folded(func: cst.FunctionDef) -> cst.FunctionDef:
     """Fold the values of the parameters that carry nothing under vLLM into the body.
 
     The parameters stay in the signature (callers may pass them by position); calls no
     longer pass them by keyword, since every copied function folds its own."""
-    names = {p.name.value for p in m.findall(func.params, m.Param())}
-    known = {k: v for k, v in INFERENCE_PARAMS.items() if k in names}
+    known = inference_values(func)
     func = clean_signature(func, set())
     func = func.with_changes(body=func.body.visit(_DropInferenceKwargs()))
     return simplify_function(func, known)

@@ -50,6 +50,29 @@ class Branches:
     decided: list[DecidedBranch]
     others: list[OtherBranch]
 
+    def failures(self, plan: dict[str, str], prove) -> dict[frozenset[int], str]:
+        """{the branches flipped: why} for each other way `prove(other)` fails on,
+        builds nothing to run, or builds none of the linears `plan` shards (a proof
+        of none is no proof: the class's head counts are divided all the same)."""
+        from fusion_patterns import sharding
+
+        sharded = [
+            a for a, s in plan.items() if sharding.is_column(s) or s == "rowwise"
+        ]
+        out = {}
+        for other in self.others:
+            if other.instance is None:
+                out[other.flipped] = other.label
+            elif sharded and all(
+                getattr(other.instance, a, None) is None for a in sharded
+            ):
+                out[other.flipped] = other.failed(
+                    "it builds none of the linears the plan shards"
+                )
+            elif (why := prove(other)) is not None:
+                out[other.flipped] = other.failed(why)
+        return out
+
     def pinned(self, failed: set[frozenset[int]]) -> str:
         """The branches, as the tiny instance takes them, a sharded module must take
         where the combinations in `failed` fail: those whose flip alone fails, unless

@@ -120,14 +120,10 @@ def _as_attr(info: ClassInfo, width: cst.BaseExpression) -> cst.BaseExpression:
     `self.embed_dim`), readable on the module as well as in `__init__`."""
     for attr, value in info.attrs.items():
         if code(value) == code(width):
-            return self_attr_node(attr)
+            return cst.parse_expression(f"self.{attr}")
     if isinstance(width, (cst.Name, cst.Attribute)):
         return width
     return width.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
-
-
-def self_attr_node(attr: str) -> cst.Attribute:
-    return cst.Attribute(value=cst.Name("self"), attr=cst.Name(attr))
 
 
 def _aliased(forward: cst.FunctionDef, name: str) -> str:
@@ -293,7 +289,9 @@ def _extract(
             # size; the merged GEMM's proof checks the counts on the tiny module
             heads.append(
                 cst.BinaryOperation(
-                    _as_attr(info, out), cst.FloorDivide(), self_attr_node(size)
+                    _as_attr(info, out),
+                    cst.FloorDivide(),
+                    cst.parse_expression(f"self.{size}"),
                 )
             )
             head_dims.add(size)

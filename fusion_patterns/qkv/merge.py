@@ -71,6 +71,7 @@ class QKVMerge(Pattern):
                 why = model.unproven_branches(
                     n,
                     inst,
+                    styles,
                     lambda other: prove_sharded(
                         other.instance,
                         styles,
