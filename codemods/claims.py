@@ -21,6 +21,27 @@ from .source import ModelSource
 TORCH_NORMS = {"nn.LayerNorm", "torch.nn.LayerNorm"}
 
 
+@dataclass(frozen=True)
+class ShardedWays:
+    """Where a class's tensor-parallel plan holds, over the ways its config branches go:
+    `where` is "" on every way, a config test (as `__init__` reads it) on the ways
+    proven, whole on every rank elsewhere, or None on no way; `note` says so in the
+    report ("" when sharded everywhere); `failure`, the first other way's failure."""
+
+    where: str | None
+    note: str
+    failure: str = ""
+
+    @property
+    def disable_tp(self) -> str | None:
+        """The `disable_tp=` of the class's vLLM linears; None: sharded everywhere."""
+        from .copying.config_branches import negated
+
+        if self.where is None:
+            return "True"
+        return negated(self.where) if self.where else None
+
+
 @dataclass
 class Model:
     """The model as the stages before the claims found it, and the claims so far: what
@@ -90,17 +111,40 @@ class Model:
             settled and settled.init_test,
         )
 
-    def unproven_branches(self, cls: str, instance, plan, prove) -> str | None:
-        """Why `plan`, proven on `instance`, is not proven on every combination of the
-        branches `cls`'s config decides (`prove(other)` runs it on one other way), or
-        None."""
+    def sharded_ways(
+        self, cls: str, kind, plan, prove, tiny_failure: str | None = None
+    ) -> "ShardedWays":
+        """Where `plan` shards `cls` over the ways its config branches go: `kind` is
+        (an instance, its call), `prove(other)` runs the proof on one other way,
+        `tiny_failure` says why it fails on the tiny config's own way (None: it holds
+        there)."""
         from .copying.other_branches import UNREAD_BRANCHES
 
-        branches = self.other_ways(cls, instance, self.call(instance))
+        branches = self.other_ways(cls, *kind)
         if branches is None:
-            return UNREAD_BRANCHES
+            return ShardedWays(None, f"replicated: {tiny_failure or UNREAD_BRANCHES}")
         failed = branches.failures(plan, prove)
-        return failed[min(failed, key=len)] if failed else None
+        if tiny_failure is None:
+            if not failed:
+                return ShardedWays("", "")
+            taken = branches.pinned(set(failed))
+            first = failed[min(failed, key=len)]
+            return ShardedWays(
+                taken,
+                f"sharded where `{taken}` (proven there), whole on every rank "
+                f"elsewhere: {first}",
+                first,
+            )
+        ways = [o for o in branches.others if o.flipped not in failed]
+        if not ways:
+            return ShardedWays(None, f"replicated: {tiny_failure}")
+        taken = branches.any_of([o.flipped for o in ways])
+        there = tiny_failure.removeprefix("sharded ")
+        return ShardedWays(
+            taken,
+            f"sharded where `{taken}` (proven with {ways[0].label}), whole on every "
+            f"rank elsewhere (the tiny config's way: {there})",
+        )
 
     def claimed_whole(self, cls: str) -> bool:
         return any(

@@ -332,6 +332,9 @@ class Claim:
     # expressions of this rank's (query, kv) head counts once the claim has merged the
     # projections (the copied attention's reshapes count them)
     heads: tuple[str, str] | None = None
+    # where `styles` shard the class over its config's ways (`claims.ShardedWays`),
+    # where the claim says so: whole on every rank elsewhere, with a report line
+    sharded: Any = None
     # the copied decoder layer now returns (hidden states, residual): the base model's
     # loop carries the residual and its final norm adds it
     carries_residual: bool = False

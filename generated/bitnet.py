@@ -13,17 +13,17 @@
 #   Fused: post_attention_layernorm (BitNetDecoderLayer) -> post_attention_layernorm (RMSNorm)
 #   Fused: ffn_sub_norm (BitNetMLP) -> ffn_sub_norm (RMSNorm)
 #   Fused: attn_sub_norm (BitNetAttention) -> attn_sub_norm (RMSNorm)
+#   Fused: q_proj + k_proj + v_proj (BitNetAttention) -> qkv_proj (QKVParallelLinear)
 #   Fused: apply_rotary_pos_emb (BitNetAttention) -> rotary_emb (get_rope, NeoX halves)
 #   Fused: residual add + input_layernorm (BitNetDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (BitNetDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Fused: ACT2FN[config.hidden_act] (BitNetMLP) -> act_fn (act_fn(config.hidden_act), vLLM's op for the 14 names one computes)
 #   Unfused: module (BitNetMLP): copied from the source (self.ffn_sub_norm is not an nn.Linear)
 #   Unfused: attention (BitNetAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
-#   Unfused: tensor parallel (BitNetMLP): replicated: sharded over 2 ranks it fails (RuntimeError: The size of tensor a (688) must match the size of tensor b (344) at non-singleton dimension 2)
 #   Unfused: tensor parallel (BitNetAttention): replicated: sharded over 2 ranks it fails (RuntimeError: The size of tensor a (320) must match the size of tensor b (160) at non-singleton dimension 2)
+#   Unfused: tensor parallel (BitNetMLP): replicated: sharded over 2 ranks it fails (RuntimeError: The size of tensor a (688) must match the size of tensor b (344) at non-singleton dimension 2)
 #   Refused: gate/up projections (BitNetMLP): self.ffn_sub_norm is not an nn.Linear
 #   Refused: attention (BitNetAttention): not vLLM's own layout: o_proj on the attention output: the fused form differs (max rel err 1.8e-01 > 1e-05)
-#   Refused: q/k/v projections (BitNetAttention): the merged layer shards by heads: sharded over 2 ranks it fails (RuntimeError: The size of tensor a (320) must match the size of tensor b (160) at non-singleton dimension 2)
 # ======================================================================================
 """Native vLLM implementation of BitNetForCausalLM, generated from transformers/models/bitnet/modeling_bitnet.py."""
 
@@ -42,7 +42,7 @@ from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -173,31 +173,20 @@ class BitNetAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-
-        self.q_proj = ReplicatedLinear(
+        # Fused: q_proj + k_proj + v_proj -> qkv_proj: one GEMM, whole on every
+        # rank (the class does not shard).
+        self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
-            config.num_attention_heads * self.head_dim,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
             bias=config.attention_bias,
+            disable_tp=True,
             quant_config=quant_config,
-            prefix=f"{prefix}.q_proj",
-            return_bias=False,
+            prefix=f"{prefix}.qkv_proj",
         )
-        self.k_proj = ReplicatedLinear(
-            config.hidden_size,
-            config.num_key_value_heads * self.head_dim,
-            bias=config.attention_bias,
-            quant_config=quant_config,
-            prefix=f"{prefix}.k_proj",
-            return_bias=False,
-        )
-        self.v_proj = ReplicatedLinear(
-            config.hidden_size,
-            config.num_key_value_heads * self.head_dim,
-            bias=config.attention_bias,
-            quant_config=quant_config,
-            prefix=f"{prefix}.v_proj",
-            return_bias=False,
-        )
+        self.q_size = self.qkv_proj.num_heads * self.head_dim
+        self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
         self.o_proj = ReplicatedLinear(
             config.num_attention_heads * self.head_dim,
             config.hidden_size,
@@ -225,10 +214,10 @@ class BitNetAttention(nn.Module):
             cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
-            config.num_attention_heads,
+            self.qkv_proj.num_heads,
             self.head_dim,
             self.scaling,
-            num_kv_heads=config.num_key_value_heads,
+            num_kv_heads=self.qkv_proj.num_kv_heads,
             cache_config=cache_config,
             quant_config=quant_config,
             per_layer_sliding_window=sliding_window,
@@ -246,10 +235,13 @@ class BitNetAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
+        q, k, v = self.qkv_proj(hidden_states)[0].split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
 
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states = q.view(hidden_shape).transpose(1, 2)
+        key_states = k.view(hidden_shape).transpose(1, 2)
+        value_states = v.view(hidden_shape).transpose(1, 2)
         query_states, key_states = self._vllm_rope(positions, query_states, key_states)
 
         attn_output = vllm_attention(self.attn, query_states, key_states, value_states)
@@ -407,14 +399,20 @@ class BitNetModel(nn.Module):
 
 class BitNetForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {}
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
     }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
-    hf_to_vllm_mapper = WeightsMapper()
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+        }
+    )
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

@@ -9,12 +9,12 @@
 # ======================================================================================
 # Fusion report:
 #   Fused: gate_proj + up_proj (StableLmMLP) -> gate_up_proj (MergedColumnParallelLinear)
+#   Fused: q_proj + k_proj + v_proj (StableLmAttention) -> qkv_proj (QKVParallelLinear)
 #   Fused: apply_rotary_pos_emb (StableLmAttention) -> rotary_emb (get_rope, NeoX halves)
 #   Unfused: decoder layer (StableLmDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (StableLmAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: module (StableLmLayerNormPerHead): copied from the source
 #   Unfused: tensor parallel (StableLmAttention): sharded where `not config.qk_layernorm` (proven with config.qk_layernorm=False), whole on every rank elsewhere (the tiny config's way: over 2 ranks it computes something else (relative error 2.1e-01))
-#   Refused: q/k/v projections (StableLmAttention): the merged layer shards by heads: sharded over 2 ranks it computes something else (relative error 2.1e-01)
 #   Refused: residual add + norm (StableLmDecoderLayer): self.input_layernorm is not an RMSNorm
 # ======================================================================================
 """Native vLLM implementation of StableLmForCausalLM, generated from transformers/models/stablelm/modeling_stablelm.py."""
@@ -28,12 +28,12 @@ from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
+    QKVParallelLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -171,33 +171,21 @@ class StableLmAttention(nn.Module):
                 f"hidden_size must be divisible by num_heads (got `hidden_size`: {self.hidden_size}"
                 f" and `num_heads`: {self.num_heads})."
             )
-        self.q_proj = ColumnParallelLinear(
+        # Fused: q_proj + k_proj + v_proj -> qkv_proj. Each rank holds its own heads
+        # of q, k and v; with fewer kv heads than ranks, k and v are replicated.
+        # Whole on every rank where `disable_tp` holds.
+        self.qkv_proj = QKVParallelLinear(
             self.hidden_size,
-            self.num_heads * self.head_dim,
+            self.head_dim,
+            self.num_heads,
+            self.num_key_value_heads,
             bias=config.use_qkv_bias,
             disable_tp=config.qk_layernorm,
             quant_config=quant_config,
-            prefix=f"{prefix}.q_proj",
-            return_bias=False,
+            prefix=f"{prefix}.qkv_proj",
         )
-        self.k_proj = ColumnParallelLinear(
-            self.hidden_size,
-            self.num_key_value_heads * self.head_dim,
-            bias=config.use_qkv_bias,
-            disable_tp=config.qk_layernorm,
-            quant_config=quant_config,
-            prefix=f"{prefix}.k_proj",
-            return_bias=False,
-        )
-        self.v_proj = ColumnParallelLinear(
-            self.hidden_size,
-            self.num_key_value_heads * self.head_dim,
-            bias=config.use_qkv_bias,
-            disable_tp=config.qk_layernorm,
-            quant_config=quant_config,
-            prefix=f"{prefix}.v_proj",
-            return_bias=False,
-        )
+        self.q_size = self.qkv_proj.num_heads * self.head_dim
+        self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(
             self.hidden_size,
             self.hidden_size,
@@ -224,16 +212,9 @@ class StableLmAttention(nn.Module):
             is_neox_style=True,
             rope_parameters={**config.rope_parameters, "rope_dim": self.rotary_ndims},
         )
-        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
-        # of the heads (the source's reshapes count heads per rank)
-        tp_size = (
-            get_tensor_model_parallel_world_size() if not config.qk_layernorm else 1
-        )
-        assert (
-            self.num_key_value_heads
-        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
-        self.num_heads = self.num_heads // tp_size
-        self.num_key_value_heads = self.num_key_value_heads // tp_size
+        # the source's reshapes count this rank's heads
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_key_value_heads = self.qkv_proj.num_kv_heads
         # vLLM's paged attention serves this module's attention-interface call
         cache_config = get_current_vllm_config().cache_config
         sliding_window = None
@@ -246,10 +227,10 @@ class StableLmAttention(nn.Module):
             cache_config = shallow_copy(cache_config)
             cache_config.sliding_window = None
         self.attn = Attention(
-            self.num_heads,
+            self.qkv_proj.num_heads,
             self.head_dim,
             self.scaling,
-            num_kv_heads=self.num_key_value_heads,
+            num_kv_heads=self.qkv_proj.num_kv_heads,
             cache_config=cache_config,
             quant_config=quant_config,
             per_layer_sliding_window=sliding_window,
@@ -269,10 +250,13 @@ class StableLmAttention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
         bsz, q_len, _ = hidden_states.size()
+        q, k, v = self.qkv_proj(hidden_states)[0].split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
 
-        query_states = self.q_proj(hidden_states)
-        key_states = self.k_proj(hidden_states)
-        value_states = self.v_proj(hidden_states)
+        query_states = q
+        key_states = k
+        value_states = v
 
         query_states = query_states.view(
             bsz, q_len, self.num_heads, self.head_dim
@@ -468,7 +452,10 @@ class StableLmModel(nn.Module):
 
 class StableLmForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    packed_modules_mapping = {
+        "gate_up_proj": ["gate_proj", "up_proj"],
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    }
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
@@ -479,6 +466,9 @@ class StableLmForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
         orig_to_new_stacked={
             ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
             ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+            ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+            ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+            ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
         }
     )
 

@@ -3,11 +3,14 @@
     python scripts/compare_ops.py llama
     python scripts/compare_ops.py gemma3 --transformers   # against the Transformers backend
     python scripts/compare_ops.py falcon --override ffn_hidden_size=2048  # as benchmarked
+    python scripts/compare_ops.py bloom --prefill 256   # one prompt's prefill instead
 
 Timings on a shared 2-core machine are noisy; op counts are not. This serves the same
 random checkpoint with each implementation, profiles a few greedy decode steps of one
 request, and prints per-op call counts per step for both, with the differences, so a
-ratio below 1.00x in the benchmark can be told apart from a real extra cost.
+ratio below 1.00x in the benchmark can be told apart from a real extra cost. With
+`--prefill N` it profiles the prefill of one N-token prompt instead (the benchmark's
+throughput case is mostly prefill: 16 prompts of 256 tokens).
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ TOP = 12
 
 
 def op_counts(
-    ckpt: str, arch: str | None
+    ckpt: str, arch: str | None, prefill: int | None = None
 ) -> tuple[str, collections.Counter, collections.Counter]:
-    """Per decode step: each aten op's calls and its self CPU time in ms. `arch` None:
-    vLLM's Transformers backend."""
+    """Per decode step (or per prefill of a `prefill`-token prompt): each aten op's
+    calls and its self CPU time in ms. `arch` None: vLLM's Transformers backend."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
@@ -43,7 +46,7 @@ def op_counts(
         model=ckpt,
         skip_tokenizer_init=True,
         dtype="float32",
-        max_model_len=256,
+        max_model_len=max(256, (prefill or 0) + 16),
         enforce_eager=True,
         **(
             {"hf_overrides": {"architectures": [arch]}}
@@ -52,7 +55,7 @@ def op_counts(
         ),
     )
     impl = llm.apply_model(model_class_name)[0]
-    prompt = [{"prompt_token_ids": list(range(1, 33))}]
+    prompt = [{"prompt_token_ids": [1 + i % 255 for i in range(prefill or 32)]}]
 
     def run(llm, tokens):
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
@@ -72,6 +75,9 @@ def op_counts(
         )
     del llm
     cleanup_dist_env_and_memory()
+
+    if prefill:
+        return impl, counts[1], times[1]
 
     def per_step(c):
         return collections.Counter({k: v / STEPS for k, v in c.items()})
@@ -97,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=JSON",
         help="set a config field of the checkpoint, as the benchmark's --override",
     )
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        metavar="TOKENS",
+        help="profile the prefill of one prompt of this many tokens, not decode steps",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -121,18 +133,19 @@ def main(argv: list[str] | None = None) -> int:
             source=source,
             overrides=parse_overrides(args.override),
         )
-        ours_impl, ours, ours_ms = op_counts(tmp, arch)
+        ours_impl, ours, ours_ms = op_counts(tmp, arch, args.prefill)
         other = None if args.transformers else causal_name
-        native_impl, native, native_ms = op_counts(tmp, other)
+        native_impl, native, native_ms = op_counts(tmp, other, args.prefill)
     label = "backend" if args.transformers else "native"
-    print(f"ops per decode step: {ours_impl} vs {native_impl}")
+    step = f"prefill of {args.prefill} tokens" if args.prefill else "decode step"
+    print(f"ops per {step}: {ours_impl} vs {native_impl}")
     print(f"{'op':40} {'generated':>10} {label:>10}")
     for op in sorted(ours.keys() | native.keys()):
         if round(ours[op], 2) != round(native[op], 2):
             print(f"{op:40} {ours[op]:10.2f} {native[op]:10.2f}")
     total = {"generated": sum(ours.values()), label: sum(native.values())}
     print(json.dumps({"model": args.model, "ops_per_step": total}))
-    print(f"\nself CPU ms per decode step (noisy), the {TOP} largest differences:")
+    print(f"\nself CPU ms per {step} (noisy), the {TOP} largest differences:")
     diffs = sorted(
         ours_ms.keys() | native_ms.keys(),
         key=lambda op: -abs(ours_ms[op] - native_ms[op]),

@@ -20,6 +20,22 @@ def minicpm3():
     return generate("modeling_minicpm3.py")
 
 
+def _tp_line(plan, cls: str) -> str:
+    """The report's one tensor-parallel line for `cls`."""
+    (line,) = [
+        u.describe()
+        for u in plan.unfused
+        if u.source_class == cls and u.what == "tensor parallel"
+    ]
+    return line
+
+
+def _init_of(text: str, cls: str) -> str:
+    """`cls`'s source in the generated file, up to its forward."""
+    body = text[text.index(f"class {cls}") :]
+    return body[: body.index("def forward")]
+
+
 def test_a_branch_whose_other_way_breaks_the_sharding_pins_the_class(minicpm3):
     plan, text = minicpm3
     (line,) = [
@@ -45,8 +61,8 @@ def test_a_branch_whose_other_way_holds_leaves_the_class_sharded():
 
 def test_an_edited_branch_the_tiny_config_does_not_take_is_caught(tmp_path):
     """Phi's tiny config takes `qk_layernorm`; an `else:` that counts the query heads
-    from the config is run only on the other way: the q/k/v merge (which shards by
-    heads) is refused and the copied attention pinned, each naming that config."""
+    from the config is run only on the other way: the merged q/k/v (which shards by
+    heads) and the copied attention are pinned to the way proven, naming that config."""
     from conftest import edited_modeling_file
 
     old = "            key_states = self.k_layernorm(key_states)\n"
@@ -59,11 +75,13 @@ def test_an_edited_branch_the_tiny_config_does_not_take_is_caught(tmp_path):
     )
     path = edited_modeling_file(tmp_path, "modeling_phi.py", old, new)
     plan, text = generate(str(path), trust_remote_code=True)
-    (refused,) = [r for r in plan.refusals if r.source_class == "PhiAttention"]
-    assert refused.reason.startswith("the merged layer shards by heads: with ")
-    assert "config.qk_layernorm=False over 2 ranks it fails" in refused.reason
-    assert "QKVParallelLinear" not in text
-    assert "disable_tp=not config.qk_layernorm," in text
+    line = _tp_line(plan, "PhiAttention")
+    assert "sharded where `config.qk_layernorm` (proven there)" in line, line
+    assert "config.qk_layernorm=False over 2 ranks it fails" in line, line
+    attention = _init_of(text, "PhiAttention")
+    assert "self.qkv_proj = QKVParallelLinear(" in attention
+    # the merged q/k/v and the output projection, both whole on the other way
+    assert attention.count("disable_tp=not config.qk_layernorm,") == 2
 
 
 def _attention(name: str, cls: str, config):
@@ -140,18 +158,27 @@ def test_a_class_failing_on_the_tiny_configs_way_is_sharded_where_another_way_ho
     # StableLM's per-head q/k layernorms (its tiny config's way) index every head on
     # each rank; without them (StableLM 2 1.6B) the attention shards as vLLM's does
     plan, text = generate("modeling_stablelm.py")
-    (line,) = [
-        u.describe()
-        for u in plan.unfused
-        if u.source_class == "StableLmAttention" and u.what == "tensor parallel"
-    ]
+    line = _tp_line(plan, "StableLmAttention")
     assert "sharded where `not config.qk_layernorm` (proven with " in line, line
     assert "config.qk_layernorm=False), whole on every rank elsewhere" in line, line
-    attention = text[text.index("class StableLmAttention") :]
-    attention = attention[: attention.index("def forward")]
-    assert attention.count("disable_tp=config.qk_layernorm,") == 4  # q, k, v, o
-    assert "self.q_proj = ColumnParallelLinear(" in attention
+    attention = _init_of(text, "StableLmAttention")
+    # the merged q/k/v, pinned as the copy is (`verify stablelm --tp 2 [--override
+    # qk_layernorm=false]`: 3.3e-06, 2.9e-06)
+    assert attention.count("disable_tp=config.qk_layernorm,") == 2  # qkv, o
+    assert "self.qkv_proj = QKVParallelLinear(" in attention
     assert "self.o_proj = RowParallelLinear(" in attention
+
+
+def test_a_merged_qkv_of_a_class_that_never_shards_is_whole_on_every_rank():
+    # BitNet's sub-norm over the whole attention output fails every sharding: its
+    # q/k/v are still one GEMM, whole on every rank (`verify bitnet --tp 2`: 3.8e-06)
+    plan, text = generate("modeling_bitnet.py")
+    attention = _init_of(text, "BitNetAttention")
+    assert "self.qkv_proj = QKVParallelLinear(" in attention
+    assert "disable_tp=True," in attention
+    assert "self.o_proj = ReplicatedLinear(" in attention
+    line = _tp_line(plan, "BitNetAttention")
+    assert "replicated: sharded over 2 ranks it fails" in line, line
 
 
 def test_ways_taken_together_are_said_in_as_few_tests_as_they_need():

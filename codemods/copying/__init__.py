@@ -20,7 +20,6 @@ from . import head_rows, packed_qkv, positions
 from .classes import CONV1D, LINEARS, Context, prefix_classes
 from .classes import rewrite_class
 from .config_branches import linear_reads
-from .other_branches import UNREAD_BRANCHES
 from .definitions import Definitions
 
 if TYPE_CHECKING:
@@ -330,6 +329,14 @@ def _tp_styles(model: Model) -> TensorParallel:
     notes: list[Unfused] = []
     no_plan: dict[str, str] = {}
     out = TensorParallel(styles, notes, no_plan)
+    for claim in model.claims:  # a claim sharded on some of its config's ways only
+        if claim.styles and claim.sharded is not None:
+            if claim.sharded.where:
+                out.conditions[claim.class_name] = claim.sharded.where
+            if claim.sharded.note:
+                notes.append(
+                    Unfused(claim.class_name, "tensor parallel", claim.sharded.note)
+                )
     skip = {model.roles.causal.name, model.roles.base.name}
     for n in model.roles.wanted:
         if n in fixed or n in skip or model.claimed_whole(n):
@@ -397,63 +404,40 @@ def _tp_styles(model: Model) -> TensorParallel:
                 break
         if why is None:  # and on every other way its config branches can go
             counted = heads + out.divided.get(n, [])
-            pin = _pinned(
-                model, n, kinds[0], plan, lambda o: proven_on(o, plan, counted)
+            pin = model.sharded_ways(
+                n, kinds[0], plan, lambda o: proven_on(o, plan, counted)
             )
-            if isinstance(pin, str):
-                why = pin
+            if pin.where is None:
+                why = pin.note.removeprefix("replicated: ")
             elif sharding.QKV in plan.values():  # its record says where it is whole
-                why = _packed_qkv(out, model, n, inst, plan, spec, pin[0])
+                why = _packed_qkv(out, model, n, inst, plan, spec, pin.where)
             else:
-                if pin[0]:
-                    notes.append(_pin_note(n, *pin))
+                if pin.where:
+                    notes.append(Unfused(n, "tensor parallel", pin.note))
                 if held and heads != countings[0]:  # the kv heads the weights hold
                     out.divided[n] = [*out.divided.get(n, []), *held]
-            if why is None and pin[0]:
-                out.conditions[n] = pin[0]
+            if why is None and pin.where:
+                out.conditions[n] = pin.where
         elif not held and sharding.QKV not in plan.values():
             # the tiny config's way fails: sharded where another way is proven
-            options = sharding.candidates(inst, plan, countings[0], kv)
-            found = _sharded_elsewhere(
-                model,
-                n,
-                kinds[0],
-                options,
-                lambda o, option: proven_on(o, option, countings[0]),
-            )
-            if found is not None:
-                plan, taken, label = found
-                out.conditions[n] = taken
-                there = why.removeprefix("sharded ")
-                notes.append(
-                    Unfused(
-                        n,
-                        "tensor parallel",
-                        f"sharded where `{taken}` (proven with {label}), whole on "
-                        f"every rank elsewhere (the tiny config's way: {there})",
-                    )
+            for option in sharding.candidates(inst, plan, countings[0], kv):
+                pin = model.sharded_ways(
+                    n,
+                    kinds[0],
+                    option,
+                    lambda o, option=option: proven_on(o, option, countings[0]),
+                    tiny_failure=why,
                 )
-                why = None
+                if pin.where:
+                    plan, why = option, None
+                    out.conditions[n] = pin.where
+                    notes.append(Unfused(n, "tensor parallel", pin.note))
+                    break
         if why is None:
             styles[n] = plan
         else:
             notes.append(Unfused(n, "tensor parallel", f"replicated: {why}"))
     return out
-
-
-def _sharded_elsewhere(model: Model, n: str, kind, options, proven_on):
-    """(plan, the ways of `n`'s config branches it is proven on, joined, the config
-    first proven) for the first candidate plan that some other way of its branches
-    proves, where the tiny config's way fails; or None."""
-    branches = model.other_ways(n, *kind)
-    if branches is None:
-        return None
-    for option in options:
-        failed = branches.failures(option, lambda o: proven_on(o, option))
-        ways = [o for o in branches.others if o.flipped not in failed]
-        if ways:
-            return option, branches.any_of([o.flipped for o in ways]), ways[0].label
-    return None
 
 
 def _held_kv_attrs(spec, inst) -> list[str]:
@@ -471,31 +455,6 @@ def _held_kv_attrs(spec, inst) -> list[str]:
         and not any(w in a for w in ("dim", "size"))
         and a not in spec.head_attrs
     ]
-
-
-def _pinned(
-    model: Model, n: str, kind, plan: dict[str, str], proven_on
-) -> tuple[str, str] | str:
-    """(the branches `n`'s sharding is pinned to, as the tiny config takes them, and
-    the first failure that pins them): ("", "") where it holds on every combination of
-    its config branches; pinned to those whose other way fails or builds nothing to
-    prove. A string: why it cannot be sharded at all."""
-    branches = model.other_ways(n, *kind)
-    if branches is None:
-        return UNREAD_BRANCHES
-    failed = branches.failures(plan, proven_on)
-    if not failed:
-        return "", ""
-    return branches.pinned(set(failed)), failed[min(failed, key=len)]
-
-
-def _pin_note(n: str, taken: str, failure: str) -> Unfused:
-    return Unfused(
-        n,
-        "tensor parallel",
-        f"sharded where `{taken}` (proven there), whole on every rank elsewhere: "
-        f"{failure}",
-    )
 
 
 def _packed_qkv(out: TensorParallel, model: Model, n: str, inst, plan, spec, taken):

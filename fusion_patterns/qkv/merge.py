@@ -5,8 +5,11 @@ merges its three projections when the match and the proofs hold: the three
 `nn.Linear` become one `QKVParallelLinear` (each rank its own heads of q, k and v; k
 and v replicated when there are fewer kv heads than ranks), the three calls one GEMM
 split in three, and everything around them stays as the source has it. The merged
-layer shards by heads, so the class must shard: transformers' TP plan for it, or q/k/v
-column- and the output row-parallel, proven over two simulated ranks.
+layer shards by heads, as the class does: transformers' TP plan for it, or q/k/v
+column- and the output row-parallel, proven over two simulated ranks on each way its
+config branches go. Where that fails on some ways the layer is whole on every rank
+there (`disable_tp=<those ways>`), where it fails on all, everywhere: one GEMM for
+three all the same, the class replicated and said so.
 """
 
 from __future__ import annotations
@@ -60,35 +63,27 @@ class QKVMerge(Pattern):
                 **{p: "colwise" for p in found.projections},
                 found.out_proj: "rowwise",
             }
-            why = prove_sharded(
-                inst,
-                styles,
-                attention.head_attrs,
-                model.call(inst),
-                attention.sinks,
-            )
-            if why is None:  # and on the configs taking its other branches
-                why = model.unproven_branches(
-                    n,
-                    inst,
-                    styles,
-                    lambda other: prove_sharded(
-                        other.instance,
-                        styles,
-                        attention.head_attrs,
-                        other.call,
-                        attention.sinks,
-                    ),
-                )
-            if why is None and not all(
-                styles.get(p) == "colwise" for p in found.projections
-            ):
+            if not all(styles.get(p) == "colwise" for p in found.projections):
                 why = "transformers' TP plan does not shard them column-parallel"
-            if why is not None:
-                # the merged layer shards by heads: a class that cannot shard keeps
-                # its three projections
                 yield Refusal(NAME, n, WHAT, f"the merged layer shards by heads: {why}")
                 continue
+
+            def sharded(instance, call, styles=styles):
+                return prove_sharded(
+                    instance, styles, attention.head_attrs, call, attention.sinks
+                )
+
+            # the merged layer shards by heads where the class does (on every way of
+            # its config branches, or some), and is whole on every rank elsewhere
+            ways = model.sharded_ways(
+                n,
+                (inst, model.call(inst)),
+                styles,
+                lambda other: sharded(other.instance, other.call),
+                tiny_failure=sharded(inst, model.call(inst)),
+            )
+            if ways.where is None:
+                styles = {a: "replicate" for a in styles}
             yield Claim(
                 self,
                 n,
@@ -99,6 +94,7 @@ class QKVMerge(Pattern):
                     for scope in model.roles.scopes.get(n, [""])
                 ],
                 styles=styles,
+                sharded=ways,
                 heads=(
                     f"self.{found.merged}.num_heads",
                     f"self.{found.merged}.num_kv_heads",
@@ -110,9 +106,8 @@ class QKVMerge(Pattern):
         body = []
         for stmt in node.body.body:
             if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "__init__":
-                stmt = stmt.with_changes(
-                    body=stmt.body.visit(QKVFusion(spec, ("", "", "", "")))
-                )
+                fusion = QKVFusion(spec, ("", "", "", ""), claim.sharded)
+                stmt = stmt.with_changes(body=stmt.body.visit(fusion))
             elif isinstance(stmt, cst.FunctionDef) and stmt.name.value == "forward":
                 stmt = stmt.visit(QKVFusion(spec, fused_names(stmt)))
             body.append(stmt)
@@ -130,8 +125,10 @@ class QKVFusion(cst.CSTTransformer):
     k and v replicated when there are fewer kv heads than ranks), and the three calls
     one GEMM split in three; everything around them stays as the source has it."""
 
-    def __init__(self, spec, names: tuple[str, str, str, str]):
+    def __init__(self, spec, names: tuple[str, str, str, str], sharded=None):
         self.spec = spec
+        # `disable_tp=` where the class is whole on some or every rank's config
+        self.disable_tp = sharded.disable_tp if sharded is not None else None
         self.q, self.k, self.v = spec.projections
         self.qkv_name, self.parts = names[0], names[1:]
         self.done = False
@@ -150,11 +147,23 @@ class QKVFusion(cst.CSTTransformer):
             return updated
         s = self.spec
         hd = f"self.{s.head_dim_attr}"
+        disable_tp = f"disable_tp={self.disable_tp}, " if self.disable_tp else ""
+        if self.disable_tp == "True":
+            said = [
+                f"# Fused: {self.q} + {self.k} + {self.v} -> {s.merged}: one GEMM, whole on every",
+                "# rank (the class does not shard).",
+            ]
+        else:
+            said = [
+                f"# Fused: {self.q} + {self.k} + {self.v} -> {s.merged}. Each rank holds its own heads",
+                "# of q, k and v; with fewer kv heads than ranks, k and v are replicated.",
+            ]
+            if self.disable_tp:
+                said.append("# Whole on every rank where `disable_tp` holds.")
         lines = [
-            f"# Fused: {self.q} + {self.k} + {self.v} -> {s.merged}. Each rank holds its own heads",
-            "# of q, k and v; with fewer kv heads than ranks, k and v are replicated.",
+            *said,
             f"self.{s.merged} = QKVParallelLinear({code(s.hidden_size)}, {hd}, {code(s.num_heads)}, "
-            f"{code(s.num_kv_heads)}, bias={code(s.bias)}, quant_config=quant_config, "
+            f"{code(s.num_kv_heads)}, bias={code(s.bias)}, {disable_tp}quant_config=quant_config, "
             f'prefix=f"{{prefix}}.{s.merged}")',
             f"self.q_size = self.{s.merged}.num_heads * {hd}",
             f"self.kv_size = self.{s.merged}.num_kv_heads * {hd}",
