@@ -63,6 +63,17 @@ def test_a_count_of_layers_sized_for_the_full_depth_fits_the_tiny_one():
     check_runs(cls, values)  # raises where the model does not build or run
 
 
+def test_a_per_layer_list_derived_from_the_depth_keeps_its_kinds_at_the_tiny_one():
+    # Gemma 3n derives its activation sparsity from its depth (0.95 on the first 10 of
+    # 35 layers): at 4 layers it would be 0 everywhere, and the sparse MLP (a mean and
+    # a deviation over its whole width) never built, proven or verified
+    cls = _causal("modeling_gemma3n.py")
+    values = tiny.working_values(cls)
+    assert values["activation_sparsity_pattern"] == [0.95, 0.95, 0.0, 0.0]
+    config = cls.config_class(**values)
+    assert config.activation_sparsity_pattern == [0.95, 0.95, 0.0, 0.0]
+
+
 def test_a_layer_type_list_under_the_configs_own_name_fits_the_tiny_depth():
     # Zamba 2 keeps its layer kinds in `layers_block_type` (aliased as layer_types),
     # filled for 54 layers by default: a tiny depth of 4 did not validate against it

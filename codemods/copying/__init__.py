@@ -472,11 +472,13 @@ def _packed_qkv(out: TensorParallel, model: Model, n: str, inst, plan, spec, tak
 
 def _instance_kinds(model: Model, cls: str) -> list[tuple[object, object]]:
     """(instance, its call) for one instance of each structure the tiny model built of
-    `cls` (Gemma 4's kv-shared layers build no k/v projections), first one first; a
-    transformers `Conv1D` child seen as the linear the file builds."""
+    `cls` (Gemma 4's kv-shared layers build no k/v projections) and each set of plain
+    values its `__init__` kept (Gemma 3n's per-layer activation sparsity, which its
+    forward branches on), first one first; a transformers `Conv1D` child seen as the
+    linear the file builds."""
     kinds: dict[tuple, tuple[object, object]] = {}
     for _, inst in model.probe.instances.get(cls, []):
-        shape = tuple(
+        shape = _kept_values(inst) + tuple(
             (
                 (
                     name,
@@ -491,6 +493,18 @@ def _instance_kinds(model: Model, cls: str) -> list[tuple[object, object]]:
         if shape not in kinds:
             kinds[shape] = (sharding.as_linears(inst), model.call(inst))
     return list(kinds.values())
+
+
+def _kept_values(inst) -> tuple:
+    """The plain values (numbers, flags, strings) an instance keeps, but its position
+    in the stack (`layer_idx`), which only names a cache slot."""
+    return tuple(
+        (k, v)
+        for k, v in sorted(vars(inst).items())
+        if type(v) in (bool, int, float, str)
+        and not k.startswith("_")
+        and not any(w in k for w in ("idx", "index", "layer_id", "layer_number"))
+    )
 
 
 def _need_positions(model: Model) -> set[str]:
