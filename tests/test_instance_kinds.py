@@ -44,3 +44,37 @@ def test_the_position_in_the_stack_alone_makes_no_kind():
     for i, mlp in layers:
         mlp.layer_idx = i  # as attention and decoder layers keep it
     assert len(_instance_kinds(_model(layers), "Gemma3nTextMLP")) == 1
+
+
+def test_a_class_sharding_on_some_kinds_only_is_whole_on_the_others():
+    # the committed file (codemods.check keeps it current): Gemma 3n's dense MLPs shard,
+    # its sparse ones are whole on every rank (`verify gemma3n --tp 2 [--override
+    # activation_sparsity_pattern=[0.0,0.95,0.0,0.95]]`: 5.7e-06, 5.2e-06)
+    from conftest import REPO
+
+    text = (REPO / "generated" / "gemma3n.py").read_text()
+    mlp = text[text.index("class Gemma3nTextMLP") :]
+    mlp = mlp[: mlp.index("def forward")]
+    pinned = "disable_tp=config.activation_sparsity_pattern[layer_idx] != 0.0,"
+    assert mlp.count(pinned) == 3, mlp  # gate, up, down
+    assert "self.down_proj = RowParallelLinear(" in mlp
+    assert (
+        "Unfused: tensor parallel (Gemma3nTextMLP): sharded where "
+        "`config.activation_sparsity_pattern[layer_idx] == 0.0` (proven on those "
+        "layers), whole on every rank elsewhere (with self.activation_sparsity=0.95 "
+        "over 2 ranks it computes something else"
+    ) in text
+
+
+def test_a_kept_value_is_read_at_construction_only_from_the_arguments():
+    from codemods.copying import _kept_from_arguments
+    from codemods.source import load
+
+    info = load("modeling_gemma3n.py").classes["Gemma3nTextMLP"]
+    assert (
+        _kept_from_arguments(info, "activation_sparsity")
+        == "config.activation_sparsity_pattern[layer_idx]"
+    )
+    # Gemma 3n's attention derives `is_sliding` from another attribute: not readable
+    attention = load("modeling_gemma3n.py").classes["Gemma3nTextAttention"]
+    assert _kept_from_arguments(attention, "is_sliding") is None

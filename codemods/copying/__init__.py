@@ -11,9 +11,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import libcst.matchers as m
+
 from dataclasses import dataclass, field
 
-from fusion_patterns.base import CLASS, CONSTRUCTION, REWRITE, Claim, FusionRecord
+from fusion_patterns.base import (
+    CLASS,
+    CONSTRUCTION,
+    REWRITE,
+    Claim,
+    FusionRecord,
+    code,
+)
 from fusion_patterns import sharding
 
 from . import head_rows, packed_qkv, positions
@@ -433,11 +442,90 @@ def _tp_styles(model: Model) -> TensorParallel:
                     out.conditions[n] = pin.where
                     notes.append(Unfused(n, "tensor parallel", pin.note))
                     break
+        if why is not None and not held and len(kinds) > 1:
+            # some kinds of layer shard and others do not: sharded on those that do
+            found = _sharded_on_kinds(
+                model,
+                n,
+                kinds,
+                plan,
+                lambda k, c: sharding.prove(
+                    k, plan, countings[0], c, sinks, kv_attrs=kv
+                ),
+            )
+            if found is not None:
+                out.conditions[n], note = found
+                notes.append(Unfused(n, "tensor parallel", note))
+                why = None
         if why is None:
             styles[n] = plan
         else:
             notes.append(Unfused(n, "tensor parallel", f"replicated: {why}"))
     return out
+
+
+def _sharded_on_kinds(model: Model, n: str, kinds, plan, prove):
+    """(the test, as `__init__` can read it, that takes the kinds of `n`'s instances
+    `plan` is proven on, a report line) where it fails on others that differ from them
+    in a value `__init__` keeps from its own arguments (Gemma 3n's MLP: sharded where
+    `config.activation_sparsity_pattern[layer_idx] == 0.0`, whole on every rank on its
+    sparse layers); or None. Values the tiny model never built are whole too."""
+    results = [(k, c, prove(k, c)) for k, c in kinds]
+    good = [(k, c) for k, c, why in results if why is None]
+    bad = [(k, why) for k, _, why in results if why is not None]
+    structures = {_structure(k) for k, _, _ in results}
+    if not good or not bad or len(structures) != 1:
+        return None
+    info = model.classes[n]
+    for attr, _ in _kept_values(good[0][0]):
+        proven = {getattr(k, attr) for k, _ in good}
+        failing = {getattr(k, attr, None) for k, _ in bad}
+        expr = _kept_from_arguments(info, attr)
+        if proven & failing or expr is None:
+            continue
+        if len(proven) == 1:
+            taken = f"{expr} == {next(iter(proven))!r}"
+        else:
+            taken = f"{expr} in ({', '.join(map(repr, sorted(proven)))})"
+        # and on every way its config branches go, on the kinds proven
+        if any(
+            model.sharded_ways(n, kind, plan, lambda o: prove(o.instance, o.call)).where
+            != ""
+            for kind in good
+        ):
+            return None
+        kind, why = bad[0]
+        said = f"self.{attr}={getattr(kind, attr)!r}"
+        return taken, (
+            f"sharded where `{taken}` (proven on those layers), whole on every rank "
+            f"elsewhere (with {said} {why.removeprefix('sharded ')})"
+        )
+    return None
+
+
+def _structure(inst) -> tuple:
+    return tuple((name, type(c).__name__) for name, c in inst.named_children())
+
+
+def _kept_from_arguments(info, attr: str) -> str | None:
+    """The expression `__init__` assigns `self.<attr>` once, where it reads only the
+    method's own arguments (`config.activation_sparsity_pattern[layer_idx]`): what a
+    test at the linears' construction can read in its place; else None."""
+    if info.init is None:
+        return None
+    found = m.findall(
+        info.init,
+        m.Assign(targets=[m.AssignTarget(m.Attribute(m.Name("self"), m.Name(attr)))]),
+    )
+    if len(found) != 1:
+        return None
+    value = found[0].value
+    params = {p.name.value for p in info.init.params.params}
+    attrs = {id(a.attr) for a in m.findall(value, m.Attribute())}
+    roots = {x.value for x in m.findall(value, m.Name()) if id(x) not in attrs}
+    if not roots <= params | {"True", "False", "None"} or "self" in roots:
+        return None
+    return code(value)
 
 
 def _held_kv_attrs(spec, inst) -> list[str]:
