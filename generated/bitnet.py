@@ -18,6 +18,7 @@
 #   Fused: residual add + input_layernorm (BitNetDecoderLayer) -> input_layernorm (RMSNorm(x, residual))
 #   Fused: residual add + post_attention_layernorm (BitNetDecoderLayer) -> post_attention_layernorm (RMSNorm(x, residual))
 #   Fused: ACT2FN[config.hidden_act] (BitNetMLP) -> act_fn (act_fn(config.hidden_act), vLLM's op for the 14 names one computes)
+#   Fused: gate_proj + up_proj (BitNetMLP) -> gate_up_proj (MergedColumnParallelLinear, whole on every rank)
 #   Unfused: module (BitNetMLP): copied from the source (self.ffn_sub_norm is not an nn.Linear)
 #   Unfused: attention (BitNetAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: tensor parallel (BitNetAttention): replicated: sharded over 2 ranks it fails (RuntimeError: The size of tensor a (320) must match the size of tensor b (160) at non-singleton dimension 2)
@@ -42,7 +43,11 @@ from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -117,20 +122,13 @@ class BitNetMLP(nn.Module):
         self.config = config
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
-        self.gate_proj = ReplicatedLinear(
+        self.gate_up_proj = MergedColumnParallelLinear(
             self.hidden_size,
-            self.intermediate_size,
+            [self.intermediate_size, self.intermediate_size],
             bias=False,
+            disable_tp=True,
             quant_config=quant_config,
-            prefix=f"{prefix}.gate_proj",
-            return_bias=False,
-        )
-        self.up_proj = ReplicatedLinear(
-            self.hidden_size,
-            self.intermediate_size,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.up_proj",
+            prefix=f"{prefix}.gate_up_proj",
             return_bias=False,
         )
         self.down_proj = ReplicatedLinear(
@@ -145,8 +143,11 @@ class BitNetMLP(nn.Module):
         self.ffn_sub_norm = RMSNorm(config.intermediate_size, eps=config.rms_norm_eps)
 
     def forward(self, x):
+        gate_proj_out, up_proj_out = self.gate_up_proj(x).split(
+            self.gate_up_proj.output_partition_sizes, dim=-1
+        )
         down_proj = self.down_proj(
-            self.ffn_sub_norm(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            self.ffn_sub_norm(self.act_fn(gate_proj_out) * up_proj_out)
         )
         return down_proj
 
@@ -399,7 +400,10 @@ class BitNetModel(nn.Module):
 
 class BitNetForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
@@ -411,6 +415,8 @@ class BitNetForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
             ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
             ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
             ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
         }
     )
 

@@ -14,6 +14,7 @@
 #   Fused: pre_ff_layernorm (FalconH1DecoderLayer) -> pre_ff_layernorm (RMSNorm)
 #   Fused: apply_rotary_pos_emb (FalconH1Attention) -> rotary_emb (get_rope, NeoX halves)
 #   Fused: ACT2FN[config.hidden_act] (FalconH1MLP) -> act_fn (act_fn(config.hidden_act), vLLM's op for the 14 names one computes)
+#   Fused: gate_proj + up_proj (FalconH1MLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Unfused: decoder layer (FalconH1DecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (FalconH1Attention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: module (FalconH1MLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
@@ -305,20 +306,12 @@ class FalconH1MLP(nn.Module):
         self.config = config
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size
-        self.gate_proj = ColumnParallelLinear(
+        self.gate_up_proj = MergedColumnParallelLinear(
             self.hidden_size,
-            self.intermediate_size,
+            [self.intermediate_size, self.intermediate_size],
             bias=config.mlp_bias,
             quant_config=quant_config,
-            prefix=f"{prefix}.gate_proj",
-            return_bias=False,
-        )
-        self.up_proj = ColumnParallelLinear(
-            self.hidden_size,
-            self.intermediate_size,
-            bias=config.mlp_bias,
-            quant_config=quant_config,
-            prefix=f"{prefix}.up_proj",
+            prefix=f"{prefix}.gate_up_proj",
             return_bias=False,
         )
         self.down_proj = RowParallelLinear(
@@ -333,7 +326,10 @@ class FalconH1MLP(nn.Module):
         self.gate_multiplier, self.down_multiplier = config.mlp_multipliers
 
     def forward(self, x):
-        y = self.up_proj(x) * self.act_fn(self.gate_proj(x) * self.gate_multiplier)
+        gate_proj_out, up_proj_out = self.gate_up_proj(x).split(
+            self.gate_up_proj.output_partition_sizes, dim=-1
+        )
+        y = up_proj_out * self.act_fn(gate_proj_out * self.gate_multiplier)
         y = self.down_proj(y) * self.down_multiplier
         return y
 
@@ -591,14 +587,19 @@ class FalconH1ForCausalLM(
     nn.Module, HasInnerState, IsHybrid, SupportsLoRA, SupportsPP, SupportsQuant
 ):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {}
+    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
     }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
-    hf_to_vllm_mapper = WeightsMapper()
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".feed_forward.gate_proj.": (".feed_forward.gate_up_proj.", 0),
+            ".feed_forward.up_proj.": (".feed_forward.gate_up_proj.", 1),
+        }
+    )
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

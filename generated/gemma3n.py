@@ -22,6 +22,7 @@
 #   Fused: v_norm (Gemma3nTextAttention) -> v_norm (RMSNorm, no weight)
 #   Fused: ACT2FN[config.hidden_activation] (Gemma3nTextDecoderLayer) -> act_fn (act_fn(config.hidden_activation), vLLM's op for the 14 names one computes)
 #   Fused: ACT2FN[config.hidden_activation] (Gemma3nTextMLP) -> act_fn (act_fn(config.hidden_activation), vLLM's op for the 14 names one computes)
+#   Fused: gate_proj + up_proj (Gemma3nTextMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Kept: embedding (Gemma3nTextScaledWordEmbedding): copied from the source onto VocabParallelEmbedding (sharded over the vocabulary as vLLM's own)
 #   Unfused: module (Gemma3nRotaryEmbedding): copied from the source
 #   Unfused: module (Gemma3nTextLaurelBlock): copied from the source
@@ -58,6 +59,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
+    MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
@@ -199,22 +201,13 @@ class Gemma3nTextMLP(nn.Module):
         self.config = config
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.intermediate_size[layer_idx]
-        self.gate_proj = ColumnParallelLinear(
+        self.gate_up_proj = MergedColumnParallelLinear(
             self.hidden_size,
-            self.intermediate_size,
+            [self.intermediate_size, self.intermediate_size],
             bias=False,
             disable_tp=config.activation_sparsity_pattern[layer_idx] != 0.0,
             quant_config=quant_config,
-            prefix=f"{prefix}.gate_proj",
-            return_bias=False,
-        )
-        self.up_proj = ColumnParallelLinear(
-            self.hidden_size,
-            self.intermediate_size,
-            bias=False,
-            disable_tp=config.activation_sparsity_pattern[layer_idx] != 0.0,
-            quant_config=quant_config,
-            prefix=f"{prefix}.up_proj",
+            prefix=f"{prefix}.gate_up_proj",
             return_bias=False,
         )
         self.down_proj = RowParallelLinear(
@@ -230,11 +223,14 @@ class Gemma3nTextMLP(nn.Module):
         self.activation_sparsity = config.activation_sparsity_pattern[layer_idx]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        gate_proj = self.gate_proj(hidden_states)
+        gate_proj_out, up_proj_out = self.gate_up_proj(hidden_states).split(
+            self.gate_up_proj.output_partition_sizes, dim=-1
+        )
+        gate_proj = gate_proj_out
         if self.activation_sparsity > 0.0:
             gate_proj = self._gaussian_topk(gate_proj)
         activations = self.act_fn(gate_proj)
-        up_proj = self.up_proj(hidden_states)
+        up_proj = up_proj_out
         down_proj = self.down_proj(activations * up_proj)
         return down_proj
 
@@ -1046,7 +1042,7 @@ class Gemma3nTextModel(nn.Module):
 
 class Gemma3nForCausalLM(nn.Module, SupportsLoRA, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {}
+    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
@@ -1056,7 +1052,11 @@ class Gemma3nForCausalLM(nn.Module, SupportsLoRA, SupportsQuant):
     hf_to_vllm_mapper = WeightsMapper(
         orig_to_new_renaming=[
             WeightRenaming(["^model\\.language_model\\.(.+)$"], ["model.\\1"])
-        ]
+        ],
+        orig_to_new_stacked={
+            ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+            ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+        },
     )
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:

@@ -15,6 +15,7 @@
 #   Fused: q_layernorm (Lfm2Attention) -> q_layernorm (RMSNorm)
 #   Fused: k_layernorm (Lfm2Attention) -> k_layernorm (RMSNorm)
 #   Fused: q_proj + k_proj + v_proj (Lfm2Attention) -> qkv_proj (QKVParallelLinear)
+#   Fused: w1 + w3 (Lfm2MLP) -> w1_w3_merged (MergedColumnParallelLinear)
 #   Unfused: decoder layer (Lfm2DecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (Lfm2MLP): copied from the source
 #   Refused: residual add + norm (Lfm2DecoderLayer): `if self.is_attention_layer:` is not a norm of the saved stream
@@ -35,7 +36,7 @@ from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
+    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
@@ -106,20 +107,12 @@ class Lfm2MLP(nn.Module):
                     (intermediate_size + config.block_multiple_of - 1)
                     // config.block_multiple_of
                 )
-        self.w1 = ColumnParallelLinear(
+        self.w1_w3_merged = MergedColumnParallelLinear(
             config.hidden_size,
-            intermediate_size,
+            [intermediate_size, intermediate_size],
             bias=False,
             quant_config=quant_config,
-            prefix=f"{prefix}.w1",
-            return_bias=False,
-        )
-        self.w3 = ColumnParallelLinear(
-            config.hidden_size,
-            intermediate_size,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.w3",
+            prefix=f"{prefix}.w1_w3_merged",
             return_bias=False,
         )
         self.w2 = RowParallelLinear(
@@ -132,7 +125,10 @@ class Lfm2MLP(nn.Module):
         )
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        w1_out, w3_out = self.w1_w3_merged(x).split(
+            self.w1_w3_merged.output_partition_sizes, dim=-1
+        )
+        return self.w2(F.silu(w1_out) * w3_out)
 
 
 class Lfm2Attention(nn.Module):
@@ -362,7 +358,10 @@ class Lfm2ForCausalLM(
     nn.Module, HasInnerState, IsHybrid, SupportsLoRA, SupportsPP, SupportsQuant
 ):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "w1_w3_merged": ["w1", "w3"],
+    }
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
@@ -374,6 +373,8 @@ class Lfm2ForCausalLM(
             ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
             ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
             ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+            ".feed_forward.w1.": (".feed_forward.w1_w3_merged.", 0),
+            ".feed_forward.w3.": (".feed_forward.w1_w3_merged.", 1),
         }
     )
 

@@ -15,6 +15,7 @@
 #   Fused: q_layernorm (Lfm2MoeAttention) -> q_layernorm (RMSNorm)
 #   Fused: k_layernorm (Lfm2MoeAttention) -> k_layernorm (RMSNorm)
 #   Fused: q_proj + k_proj + v_proj (Lfm2MoeAttention) -> qkv_proj (QKVParallelLinear)
+#   Fused: w1 + w3 (Lfm2MoeMLP) -> w1_w3_merged (MergedColumnParallelLinear)
 #   Unfused: decoder layer (Lfm2MoeDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (Lfm2MoeSparseMoeBlock): copied from the source (self.act_fn is not an ACT2FN[...] activation)
 #   Unfused: module (Lfm2MoeTopKRouter): copied from the source
@@ -43,7 +44,7 @@ from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
+    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
@@ -110,20 +111,12 @@ class Lfm2MoeMLP(nn.Module):
         self.intermediate_size = (
             config.intermediate_size if intermediate_size is None else intermediate_size
         )
-        self.w1 = ColumnParallelLinear(
+        self.w1_w3_merged = MergedColumnParallelLinear(
             self.hidden_size,
-            self.intermediate_size,
+            [self.intermediate_size, self.intermediate_size],
             bias=False,
             quant_config=quant_config,
-            prefix=f"{prefix}.w1",
-            return_bias=False,
-        )
-        self.w3 = ColumnParallelLinear(
-            self.hidden_size,
-            self.intermediate_size,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.w3",
+            prefix=f"{prefix}.w1_w3_merged",
             return_bias=False,
         )
         self.w2 = RowParallelLinear(
@@ -136,7 +129,10 @@ class Lfm2MoeMLP(nn.Module):
         )
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        w1_out, w3_out = self.w1_w3_merged(x).split(
+            self.w1_w3_merged.output_partition_sizes, dim=-1
+        )
+        return self.w2(F.silu(w1_out) * w3_out)
 
 
 class Lfm2MoeExperts(nn.Module):
@@ -482,7 +478,10 @@ class Lfm2MoeForCausalLM(
     nn.Module, HasInnerState, IsHybrid, SupportsLoRA, SupportsPP, SupportsQuant
 ):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "w1_w3_merged": ["w1", "w3"],
+    }
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
@@ -494,6 +493,8 @@ class Lfm2MoeForCausalLM(
             ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
             ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
             ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+            ".feed_forward.w1.": (".feed_forward.w1_w3_merged.", 0),
+            ".feed_forward.w3.": (".feed_forward.w1_w3_merged.", 1),
         }
     )
 

@@ -16,6 +16,8 @@
 #   Fused: positions (Llama4TextAttention) -> positions (vLLM's positions, for `positions = torch.arange(hidden_states.shape[1], device=hidden_states.device) + past_seen_tokens`)
 #   Fused: ACT2FN[config.hidden_act] (Llama4TextMLP) -> activation_fn (act_fn(config.hidden_act), vLLM's op for the 14 names one computes)
 #   Fused: ACT2FN[config.hidden_act] (Llama4TextExperts) -> act_fn (act_fn(config.hidden_act), vLLM's op for the 14 names one computes)
+#   Fused: gate_proj + up_proj (Llama4TextMLP) -> gate_up_proj (MergedColumnParallelLinear, in self.feed_forward.shared_expert)
+#   Fused: gate_proj + up_proj (Llama4TextMLP) -> gate_up_proj (MergedColumnParallelLinear)
 #   Unfused: module (Llama4TextRotaryEmbedding): copied from the source
 #   Unfused: decoder layer (Llama4TextDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: module (Llama4TextMLP): copied from the source (forward has no `down(act(gate(x)) * up(x))` product)
@@ -50,7 +52,7 @@ from vllm.model_executor.layers.attention.chunked_local_attention import (
 )
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
+    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
@@ -176,20 +178,12 @@ class Llama4TextMLP(nn.Module):
             intermediate_size = config.intermediate_size
 
         self.config = config
-        self.gate_proj = ColumnParallelLinear(
+        self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size,
-            intermediate_size,
+            [intermediate_size, intermediate_size],
             bias=False,
             quant_config=quant_config,
-            prefix=f"{prefix}.gate_proj",
-            return_bias=False,
-        )
-        self.up_proj = ColumnParallelLinear(
-            config.hidden_size,
-            intermediate_size,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.up_proj",
+            prefix=f"{prefix}.gate_up_proj",
             return_bias=False,
         )
         self.down_proj = RowParallelLinear(
@@ -203,7 +197,10 @@ class Llama4TextMLP(nn.Module):
         self.activation_fn = act_fn(config.hidden_act)
 
     def forward(self, x):
-        down_proj = self.activation_fn(self.gate_proj(x)) * self.up_proj(x)
+        gate_proj_out, up_proj_out = self.gate_up_proj(x).split(
+            self.gate_up_proj.output_partition_sizes, dim=-1
+        )
+        down_proj = self.activation_fn(gate_proj_out) * up_proj_out
         return self.down_proj(down_proj)
 
 
@@ -620,7 +617,10 @@ class Llama4TextModel(nn.Module):
 
 class Llama4ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
@@ -632,6 +632,16 @@ class Llama4ForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
             ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
             ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
             ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+            ".feed_forward.shared_expert.gate_proj.": (
+                ".feed_forward.shared_expert.gate_up_proj.",
+                0,
+            ),
+            ".feed_forward.shared_expert.up_proj.": (
+                ".feed_forward.shared_expert.gate_up_proj.",
+                1,
+            ),
+            ".feed_forward.gate_proj.": (".feed_forward.gate_up_proj.", 0),
+            ".feed_forward.up_proj.": (".feed_forward.gate_up_proj.", 1),
         }
     )
 

@@ -15,13 +15,14 @@
 #   Fused: gate_proj + up_proj (LongcatFlashMLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlps.0)
 #   Fused: gate_proj + up_proj (LongcatFlashMLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlps.1)
 #   Fused: ACT2FN[config.hidden_act] (LongcatFlashExperts) -> act_fn (act_fn(config.hidden_act), vLLM's op for the 14 names one computes)
+#   Fused: q_a_proj + kv_a_proj_with_mqa (LongcatFlashMLA) -> q_a_proj_kv_a_proj_with_mqa_merged (MergedColumnParallelLinear, whole on every rank, in self.self_attn.0)
+#   Fused: q_a_proj + kv_a_proj_with_mqa (LongcatFlashMLA) -> q_a_proj_kv_a_proj_with_mqa_merged (MergedColumnParallelLinear, whole on every rank, in self.self_attn.1)
 #   Unfused: module (LongcatFlashRotaryEmbedding): copied from the source
 #   Unfused: decoder layer (LongcatFlashDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
 #   Unfused: attention (LongcatFlashMLA): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
 #   Unfused: module (LongcatFlashMoE): copied from the source (no router class matched)
 #   Unfused: module (LongcatFlashTopkRouter): copied from the source
 #   Unfused: module (LongcatFlashExperts): copied from the source (proof failed to run: IndexError: index 7 is out of bounds for dimension 0 with size 4)
-#   Unfused: tensor parallel (LongcatFlashMLA): replicated on every rank: q_a_proj, kv_a_proj_with_mqa (the plan their dataflow gives leaves them whole: the tiny model does not call them, or they are not between two linears of the class)
 #   Unfused: tensor parallel (LongcatFlashExperts): replicated on every rank: gate_up_proj, down_proj (stacked parameters of a copied class, not vLLM layers: every rank holds them whole)
 #   Unfused: latent attention (LongcatFlashForCausalLM): its attention is emitted from the source on vLLM's standard attention (expanded keys and values), so vLLM's MLA path must be off: VLLM_MLA_DISABLE=1
 #   Unfused: torch.compile (LongcatFlashModel): off: LongcatFlashExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
@@ -54,7 +55,6 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -434,12 +434,13 @@ class LongcatFlashMLA(nn.Module):
         )
 
         self.is_causal = True
-        self.q_a_proj = ReplicatedLinear(
+        self.q_a_proj_kv_a_proj_with_mqa_merged = MergedColumnParallelLinear(
             self.hidden_size,
-            self.q_lora_rank,
+            [self.q_lora_rank, config.kv_lora_rank + config.qk_rope_head_dim],
             bias=config.attention_bias,
+            disable_tp=True,
             quant_config=quant_config,
-            prefix=f"{prefix}.q_a_proj",
+            prefix=f"{prefix}.q_a_proj_kv_a_proj_with_mqa_merged",
             return_bias=False,
         )
         self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=1e-6)
@@ -449,15 +450,6 @@ class LongcatFlashMLA(nn.Module):
             bias=False,
             quant_config=quant_config,
             prefix=f"{prefix}.q_b_proj",
-            return_bias=False,
-        )
-
-        self.kv_a_proj_with_mqa = ReplicatedLinear(
-            self.hidden_size,
-            config.kv_lora_rank + config.qk_rope_head_dim,
-            bias=config.attention_bias,
-            quant_config=quant_config,
-            prefix=f"{prefix}.kv_a_proj_with_mqa",
             return_bias=False,
         )
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=1e-6)
@@ -555,14 +547,17 @@ class LongcatFlashMLA(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
         batch_size, seq_length = hidden_states.shape[:-1]
         query_shape = (batch_size, seq_length, -1, self.qk_head_dim)
+        q_a_proj_out, kv_a_proj_with_mqa_out = self.q_a_proj_kv_a_proj_with_mqa_merged(
+            hidden_states
+        ).split(self.q_a_proj_kv_a_proj_with_mqa_merged.output_partition_sizes, dim=-1)
         # we always do a lora for queries as well
-        q_states = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q_states = self.q_b_proj(self.q_a_layernorm(q_a_proj_out))
         q_states = q_states.view(query_shape).transpose(1, 2)
         q_pass, q_rot = torch.split(
             q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
 
-        compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
+        compressed_kv = kv_a_proj_with_mqa_out
         kv_pass, k_rot = torch.split(
             compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
         )
@@ -775,7 +770,10 @@ class LongcatFlashModel(nn.Module):
 
 class LongcatFlashForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    packed_modules_mapping = {
+        "gate_up_proj": ["gate_proj", "up_proj"],
+        "q_a_proj_kv_a_proj_with_mqa_merged": ["q_a_proj", "kv_a_proj_with_mqa"],
+    }
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
@@ -788,6 +786,22 @@ class LongcatFlashForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant
             ".mlps.0.up_proj.": (".mlps.0.gate_up_proj.", 1),
             ".mlps.1.gate_proj.": (".mlps.1.gate_up_proj.", 0),
             ".mlps.1.up_proj.": (".mlps.1.gate_up_proj.", 1),
+            ".self_attn.0.q_a_proj.": (
+                ".self_attn.0.q_a_proj_kv_a_proj_with_mqa_merged.",
+                0,
+            ),
+            ".self_attn.0.kv_a_proj_with_mqa.": (
+                ".self_attn.0.q_a_proj_kv_a_proj_with_mqa_merged.",
+                1,
+            ),
+            ".self_attn.1.q_a_proj.": (
+                ".self_attn.1.q_a_proj_kv_a_proj_with_mqa_merged.",
+                0,
+            ),
+            ".self_attn.1.kv_a_proj_with_mqa.": (
+                ".self_attn.1.q_a_proj_kv_a_proj_with_mqa_merged.",
+                1,
+            ),
         }
     )
 

@@ -9,6 +9,8 @@
 # ======================================================================================
 # Fusion report:
 #   Fused: ACT2FN[config.activation_function] (XGLMDecoderLayer) -> activation_fn (act_fn(config.activation_function), vLLM's op for the 14 names one computes)
+#   Fused: k_proj + v_proj (XGLMAttention) -> k_v_proj (MergedColumnParallelLinear)
+#   Fused: k_proj + v_proj (XGLMAttention) -> k_v_proj (MergedColumnParallelLinear)
 #   Unfused: attention (XGLMAttention): kept as the source computes it; its own attention core -> vLLM Attention (scale=1.0)
 #   Unfused: module (XGLMSinusoidalPositionalEmbedding): copied from the source
 #   Kept: embedding (XGLMScaledWordEmbedding): copied from the source onto VocabParallelEmbedding (sharded over the vocabulary as vLLM's own)
@@ -31,7 +33,11 @@ from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -230,20 +236,12 @@ class XGLMAttention(nn.Module):
         self.is_decoder = is_decoder
         self.layer_idx = layer_idx
 
-        self.k_proj = ColumnParallelLinear(
+        self.k_v_proj = MergedColumnParallelLinear(
             embed_dim,
-            embed_dim,
+            [embed_dim, embed_dim],
             bias=bias,
             quant_config=quant_config,
-            prefix=f"{prefix}.k_proj",
-            return_bias=False,
-        )
-        self.v_proj = ColumnParallelLinear(
-            embed_dim,
-            embed_dim,
-            bias=bias,
-            quant_config=quant_config,
-            prefix=f"{prefix}.v_proj",
+            prefix=f"{prefix}.k_v_proj",
             return_bias=False,
         )
         self.q_proj = ColumnParallelLinear(
@@ -310,8 +308,11 @@ class XGLMAttention(nn.Module):
         query_states = self.q_proj(hidden_states) * self.scaling
 
         current_states = hidden_states
-        key_states = self.k_proj(current_states)
-        value_states = self.v_proj(current_states)
+        k_proj_out, v_proj_out = self.k_v_proj(current_states).split(
+            self.k_v_proj.output_partition_sizes, dim=-1
+        )
+        key_states = k_proj_out
+        value_states = v_proj_out
         key_states = key_states.view(bsz, src_len, -1, self.head_dim).transpose(1, 2)
         value_states = value_states.view(bsz, src_len, -1, self.head_dim).transpose(
             1, 2
@@ -545,14 +546,21 @@ class XGLMModel(nn.Module):
 
 class XGLMForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant):
     # merged module -> the checkpoint modules it holds, from the fusion records
-    packed_modules_mapping = {}
+    packed_modules_mapping = {"k_v_proj": ["k_proj", "v_proj"]}
     embedding_modules = {
         "embed_tokens": "input_embeddings",
         "lm_head": "output_embeddings",
     }
     # checkpoint names transformers renames at load (its conversion mapping), and
     # checkpoint name -> (merged parameter, shard id) from the fusion records
-    hf_to_vllm_mapper = WeightsMapper()
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".self_attn.k_proj.": (".self_attn.k_v_proj.", 0),
+            ".self_attn.v_proj.": (".self_attn.k_v_proj.", 1),
+            ".encoder_attn.k_proj.": (".encoder_attn.k_v_proj.", 0),
+            ".encoder_attn.v_proj.": (".encoder_attn.k_v_proj.", 1),
+        }
+    )
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

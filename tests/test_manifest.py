@@ -43,7 +43,8 @@ def test_a_regeneration_that_loses_a_fusion_fails_unless_accepted(tmp_path):
     glu = "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
     edited = tmp_path / "src" / "modeling_qwen3.py"
     edited.parent.mkdir()
-    edited.write_text(SOURCE.replace(glu, glu.replace(" * ", " + ")))
+    # up reads another tensor than gate: neither the gated MLP nor a merged GEMM
+    edited.write_text(SOURCE.replace(glu, glu.replace("up_proj(x)", "up_proj(x + 1)")))
 
     lost = run_cli(
         "codemods.apply", str(edited), "--out", str(out), "--trust-remote-code"
@@ -70,7 +71,8 @@ def test_a_regeneration_that_loses_a_fusion_fails_unless_accepted(tmp_path):
         "ACT2FN[config.hidden_act] -> act_fn (act_fn(config.hidden_act))"
     ]
     assert entry["refusals"] == [
-        "Refused: gate/up projections (Qwen3MLP): forward has no `down(act(gate(x)) * up(x))` product"
+        "Refused: gate/up projections (Qwen3MLP): gate and up read different tensors "
+        "(`x`, `x + 1`)"
     ]
 
 

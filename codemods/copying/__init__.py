@@ -25,7 +25,7 @@ from fusion_patterns.base import (
 )
 from fusion_patterns import sharding
 
-from . import head_rows, packed_qkv, positions
+from . import head_rows, merged_linears, packed_qkv, positions
 from .classes import CONV1D, LINEARS, Context, prefix_classes
 from .classes import rewrite_class
 from .config_branches import linear_reads
@@ -83,6 +83,20 @@ class TensorParallel:
     records: list[FusionRecord] = field(default_factory=list)
 
 
+def _claimed_attrs(model: Model, cls: str) -> set[str]:
+    """The attributes of `cls` a claim has taken (its merged projections), or all of
+    them where a claim emits the class whole."""
+    if model.claimed_whole(cls):
+        return set(model.classes[cls].attrs)
+    return {
+        a
+        for c in model.claims
+        if c.class_name == cls
+        for r in c.records
+        for a in r.sources
+    }
+
+
 def _claims(model: Model, cls: str, *kinds: str) -> list[Claim]:
     return [c for c in model.claims if c.class_name == cls and c.kind in kinds]
 
@@ -91,6 +105,7 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
     roles, classes = model.roles, model.classes
     tp = _tp_styles(model)
     styles, tp_notes, no_plan = tp.styles, tp.notes, tp.no_plan
+    merges = merged_linears.plan(model, styles, lambda n: _claimed_attrs(model, n))
     whole = {c.class_name: c for c in model.claims if c.kind == CLASS}
     constructions = {c.class_name: c for c in model.claims if c.kind == CONSTRUCTION}
     emitted = [
@@ -119,6 +134,7 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
         divided=tp.divided,
         tp_conditions=tp.conditions,
         qkv_outputs=tp.qkv_outputs,
+        merges={g.cls: g for g in merges},
         kept_linears=model.kept_linears,
         branch_reads=model.branch_reads,
         sharded_attention={
@@ -176,7 +192,13 @@ def copy_classes(model: Model, defs: Definitions, mask_functions: set[str]) -> C
     return Copied(
         pieces=pieces,
         context=ctx,
-        records=tp.records,
+        records=tp.records
+        + [
+            r
+            for g in merges
+            if g.cls in pieces
+            for r in merged_linears.records(g, model.roles.scopes.get(g.cls, [""]))
+        ],
         unfused=unfused
         + tp_notes
         + _replicated(

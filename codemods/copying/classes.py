@@ -34,7 +34,7 @@ from fusion_patterns.sharding import PACKED, QKV
 
 from ..errors import CodemodError
 from ..attention_calls import interface_name
-from . import vllm_attention
+from . import merged_linears, vllm_attention
 from .attention import AttentionSpec
 from .config_branches import BranchRead, negated
 from .definitions import strip_decorators
@@ -83,6 +83,8 @@ class Context:
     tp_conditions: dict[str, str] = field(default_factory=dict)
     # class -> {linear: the out_features expressions building the [q; k; v] proven}
     qkv_outputs: dict[str, dict[str, set[str]]] = field(default_factory=dict)
+    # class -> its two linears on one tensor, merged (`merged_linears.Merge`)
+    merges: dict = field(default_factory=dict)
     # linear attributes read as `.weight`/`.bias`: kept as nn.Linear
     kept_linears: set[str] = field(default_factory=set)
     # class -> the linears it reads as weights on a branch its config decides
@@ -364,6 +366,14 @@ class _InitRewrite(cst.CSTTransformer):
             bias = cst.Name("True")
         else:
             in_size, out_size, bias = linear_args(call)
+        merge = self.ctx.merges.get(self.info.name)
+        if merge is not None and attr == merge.parts[0] and not conv1d:
+            taken = self.ctx.tp_conditions.get(self.info.name)
+            return cst.parse_expression(
+                merged_linears.construction(
+                    merge, call, negated(taken) if taken else None
+                )
+            )
         style = self.ctx.styles.get(self.info.name, {}).get(attr or "", "replicate")
         outs = code(out_size)
         part = _part(out_size, style)
@@ -477,6 +487,7 @@ def rewrite_class(
     node = strip_decorators(info.node)
     for claim in claims:
         node = claim.pattern.rewrite_class(claim, node)
+    merge = ctx.merges.get(info.name)
     # (a visit rebuilds every node: only where there is something to change, since the
     # eager-attention rewrite finds its statements by identity)
     if any(
@@ -509,6 +520,8 @@ def rewrite_class(
                 stmt = _rewrite_init(
                     stmt, info, ctx, plain_base, spec, base == "VocabParallelEmbedding"
                 )
+                if merge is not None:
+                    stmt = stmt.visit(merged_linears.InitTargets(merge))
             else:
                 if spec is not None and stmt.name.value == "forward":
                     if spec.eager is not None:
@@ -517,6 +530,9 @@ def rewrite_class(
                         name = interface_name(info.forward)
                         stmt = stmt.visit(vllm_attention.InterfaceCall(name, spec.attr))
                 stmt = inference_folded(stmt)
+                if merge is not None and stmt.name.value == "forward":
+                    # last: the attention rewrite above finds statements by identity
+                    stmt = merged_linears.split_forward(stmt, merge)
         body.append(stmt)
     if spec is not None and spec.eager is not None and spec.eager.kind == "method":
         # the replaced attention helper, if nothing else calls it
