@@ -26,11 +26,10 @@ class ShardedWays:
     """Where a class's tensor-parallel plan holds, over the ways its config branches go:
     `where` is "" on every way, a config test (as `__init__` reads it) on the ways
     proven, whole on every rank elsewhere, or None on no way; `note` says so in the
-    report ("" when sharded everywhere); `failure`, the first other way's failure."""
+    report ("" when sharded everywhere)."""
 
     where: str | None
     note: str
-    failure: str = ""
 
     @property
     def disable_tp(self) -> str | None:
@@ -133,7 +132,6 @@ class Model:
                 taken,
                 f"sharded where `{taken}` (proven there), whole on every rank "
                 f"elsewhere: {first}",
-                first,
             )
         ways = [o for o in branches.others if o.flipped not in failed]
         if not ways:

@@ -18,10 +18,16 @@ from dataclasses import dataclass
 import libcst as cst
 import libcst.matchers as m
 
-from fusion_patterns.base import FusionRecord, code, dotted_name, linear_args, self_attr
+from fusion_patterns.base import (
+    LINEARS,
+    FusionRecord,
+    code,
+    dotted_name,
+    linear_args,
+    self_attr,
+)
 from fusion_patterns.qkv.match import merged_name
 
-LINEAR_CALLS = {"nn.Linear", "torch.nn.Linear", "Linear"}
 VLLM_CLASS = "MergedColumnParallelLinear"
 # the copy's styles a merged layer holds: sharded by parts, or whole
 MERGEABLE = ("colwise", "replicate")
@@ -51,7 +57,7 @@ def find(info, excluded: set[str]) -> tuple[tuple[str, str], str] | None:
             and len(assign.targets) == 1
             and m.matches(assign.targets[0].target, self_attr())
             and isinstance(assign.value, cst.Call)
-            and dotted_name(assign.value.func) in LINEAR_CALLS
+            and dotted_name(assign.value.func) in (*LINEARS, "Linear")
         ):
             built[assign.targets[0].target.attr.value] = assign.value
     inputs: dict[str, list[str]] = {}
@@ -123,13 +129,12 @@ def plan(model, styles: dict[str, dict[str, str]], claimed) -> list[Merge]:
     for n in model.roles.wanted:
         info = model.classes.get(n)
         inst = model.first(n)
-        if info is None or inst is None or model.call(inst) is None:
+        call = model.call(inst) if inst is not None else None
+        if info is None or call is None:
             continue
-        kept = set(model.kept_linears)
         reads = model.branch_reads.get(n)
-        if reads is not None:
-            kept |= set(reads.attrs)
-        found = find(info, kept | claimed(n))
+        kept = set(reads.attrs) if reads is not None else set()
+        found = find(info, kept | model.kept_linears | claimed(n))
         if found is None:
             continue
         parts, second_out = found
@@ -137,7 +142,7 @@ def plan(model, styles: dict[str, dict[str, str]], claimed) -> list[Merge]:
         if len(style) != 1 or not style <= set(MERGEABLE):
             continue
         try:
-            same = read_one_tensor(inst, model.call(inst), parts)
+            same = read_one_tensor(inst, call, parts)
         except Exception:  # noqa: BLE001 - a module the probe's call cannot rerun
             same = False
         if same:
