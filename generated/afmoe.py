@@ -477,7 +477,6 @@ class AfmoeDecoderLayer(nn.Module):
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
-            attention_mask=attention_mask,
             position_ids=position_ids,
             positions=positions,
             **kwargs,
@@ -550,10 +549,6 @@ class AfmoeModel(nn.Module):
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
-        causal_mask_mapping = {
-            "full_attention": None,
-            "sliding_attention": None,
-        }
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
             # Apply muP input scaling if enabled
@@ -567,7 +562,6 @@ class AfmoeModel(nn.Module):
         ):
             hidden_states, residual = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
                 position_ids=position_ids,
                 residual=residual,
                 positions=positions,

@@ -347,10 +347,7 @@ class BioGptDecoderLayer(nn.Module):
 
         # Self Attention
         hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            **kwargs,
+            hidden_states=hidden_states, position_ids=position_ids, **kwargs
         )
         hidden_states = nn.functional.dropout(
             hidden_states, p=self.dropout, training=False
@@ -467,9 +464,7 @@ class BioGptModel(nn.Module):
             start=self.start_layer,
         ):
 
-            hidden_states = decoder_layer(
-                hidden_states, attention_mask=None, position_ids=position_ids
-            )
+            hidden_states = decoder_layer(hidden_states, position_ids=position_ids)
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})
         hidden_states = self.layer_norm(hidden_states)

@@ -352,8 +352,8 @@ class BloomAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         residual: torch.Tensor,
-        alibi: torch.Tensor,
-        attention_mask: torch.Tensor,
+        alibi: torch.Tensor = None,
+        attention_mask: torch.Tensor = None,
         layer_past=None,
         use_cache: bool = False,
         output_attentions: bool = False,
@@ -492,8 +492,8 @@ class BloomBlock(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        alibi: torch.Tensor,
-        attention_mask: torch.Tensor,
+        alibi: torch.Tensor = None,
+        attention_mask: torch.Tensor = None,
         layer_past=None,
         use_cache: bool = False,
         output_attentions: bool = False,
@@ -511,9 +511,7 @@ class BloomBlock(nn.Module):
             residual = hidden_states
 
         # Self attention.
-        attention_output, attn_weights = self.self_attention(
-            layernorm_output, residual, attention_mask=attention_mask, alibi=alibi
-        )
+        attention_output, attn_weights = self.self_attention(layernorm_output, residual)
 
         layernorm_output = self.post_attention_layernorm(attention_output)
 
@@ -591,30 +589,16 @@ class BloomModel(nn.Module):
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
             inputs_embeds = hidden_states
-        attention_mask = None
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.word_embeddings(input_ids)
-        batch_size, seq_length, _ = inputs_embeds.shape
-        past_length = 0
-        seq_length_with_past = seq_length + past_length
         if get_pp_group().is_first_rank:
             hidden_states = self.word_embeddings_layernorm(inputs_embeds)
-        # Compute alibi tensor: check build_alibi_tensor documentation
-        if attention_mask is None:
-            attention_mask = torch.ones(
-                (batch_size, seq_length_with_past), device=hidden_states.device
-            )
-        else:
-            attention_mask = attention_mask.to(hidden_states.device)
-        alibi = self.build_alibi_tensor(
-            attention_mask, self.num_heads, dtype=hidden_states.dtype
-        )
         for i, block in enumerate(
             islice(self.h, self.start_layer, self.end_layer), start=self.start_layer
         ):
 
-            outputs = block(hidden_states, attention_mask=None, alibi=alibi)
+            outputs = block(hidden_states)
 
             hidden_states = outputs[0]
         if not get_pp_group().is_last_rank:

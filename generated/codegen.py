@@ -387,9 +387,7 @@ class CodeGenBlock(nn.Module):
         residual = hidden_states
         hidden_states = self.ln_1(hidden_states)
         attn_outputs, attn_weights = self.attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
+            hidden_states=hidden_states, position_ids=position_ids
         )
         feed_forward_hidden_states = self.mlp(hidden_states)
         hidden_states = attn_outputs + feed_forward_hidden_states + residual
@@ -469,9 +467,7 @@ class CodeGenModel(nn.Module):
             islice(self.h, self.start_layer, self.end_layer), start=self.start_layer
         ):
 
-            outputs = block(
-                hidden_states, attention_mask=None, position_ids=position_ids
-            )
+            outputs = block(hidden_states, position_ids=position_ids)
 
             hidden_states = outputs[0]
         if not get_pp_group().is_last_rank:

@@ -293,10 +293,7 @@ class Cohere2DecoderLayer(nn.Module):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states_attention, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            positions=positions,
-            **kwargs,
+            hidden_states=hidden_states, positions=positions, **kwargs
         )
 
         hidden_states_mlp = self.mlp(hidden_states)
@@ -364,10 +361,6 @@ class Cohere2Model(nn.Module):
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
-        causal_mask_mapping = {
-            "full_attention": None,
-            "sliding_attention": None,
-        }
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
         for i, decoder_layer in enumerate(
@@ -375,10 +368,7 @@ class Cohere2Model(nn.Module):
             start=self.start_layer,
         ):
             hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
-                position_ids=position_ids,
-                positions=positions,
+                hidden_states, position_ids=position_ids, positions=positions
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

@@ -438,10 +438,7 @@ class Cohere2MoeDecoderLayer(nn.Module):
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states_attention, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            positions=positions,
-            **kwargs,
+            hidden_states=hidden_states, positions=positions, **kwargs
         )
 
         hidden_states_mlp = self.mlp(hidden_states)
@@ -513,10 +510,6 @@ class Cohere2MoeModel(nn.Module):
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
-        causal_mask_mapping = {
-            "full_attention": None,
-            "sliding_attention": None,
-        }
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
         for i, decoder_layer in enumerate(
@@ -524,10 +517,7 @@ class Cohere2MoeModel(nn.Module):
             start=self.start_layer,
         ):
             hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
-                position_ids=position_ids,
-                positions=positions,
+                hidden_states, position_ids=position_ids, positions=positions
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

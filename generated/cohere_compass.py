@@ -347,7 +347,7 @@ class CohereCompassAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
-        attention_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
         past_key_values=None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -428,7 +428,6 @@ class CohereCompassDecoderLayer(nn.Module):
         hidden_states_attention, _ = self.self_attn(
             hidden_states=hidden_states,
             position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
             **kwargs,
         )
 
@@ -504,10 +503,6 @@ class CohereCompassTextModel(nn.Module):
             position_ids = position_ids[1:]
         else:
             pass
-        causal_mask_mapping = {
-            "full_attention": None,
-            "sliding_attention": None,
-        }
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
         position_embeddings = {
@@ -527,7 +522,6 @@ class CohereCompassTextModel(nn.Module):
                 position_embeddings=position_embeddings[
                     self.config.layer_types[layer_idx]
                 ],
-                attention_mask=causal_mask_mapping[self.config.layer_types[layer_idx]],
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

@@ -228,9 +228,7 @@ class EncoderLayer(nn.Module):
         **kwargs,
     ):
         normed = self.layernorm1(x)
-        attn_output, _ = self.multi_head_attention(
-            normed, normed, normed, attention_mask=attention_mask, **kwargs
-        )
+        attn_output, _ = self.multi_head_attention(normed, normed, normed, **kwargs)
         attn_output = self.dropout1(attn_output)
         out1 = x + attn_output
 
@@ -318,7 +316,7 @@ class CTRLModel(nn.Module):
             hidden_states = inputs_embeds + pos_embeds + token_type_embeds
             hidden_states = self.dropout(hidden_states)
         for h in islice(self.h, self.start_layer, self.end_layer):
-            hidden_states = h(hidden_states, attention_mask=None)
+            hidden_states = h(hidden_states)
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})
         hidden_states = self.layernorm(hidden_states)

@@ -16,7 +16,6 @@
 #   Unfused: module (DbrxRouter): copied from the source
 #   Unfused: module (DbrxNormAttentionNorm): copied from the source
 #   Unfused: attention (DbrxAttention): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
-#   Unfused: module (DbrxRotaryEmbedding): copied from the source
 #   Unfused: tensor parallel (DbrxRouter): replicated on every rank: layer (transformers' TP plan has no entry for them, and their dataflow gives none: no linear feeds another on the way to its output)
 #   Refused: q/k/v projections (DbrxAttention): `query_states` between a projection and attention
 #   Refused: residual add + norm (DbrxBlock): `resid_states, hidden_states = self.norm_attn_norm(` does not save the residual stream
@@ -68,10 +67,6 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from collections.abc import Callable
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_rope_utils import dynamic_rope_update
-
 
 def vllm_attention(
     attn: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -86,58 +81,6 @@ def vllm_attention(
         value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
     out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
     return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
-
-
-class DbrxRotaryEmbedding(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-
-        self.config = config
-
-        self.rope_type = self.config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init_fn(self.config)
-
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
-
-    @staticmethod
-    def compute_default_rope_parameters(config, **kwargs) -> tuple[torch.Tensor, float]:
-        """
-        Computes the inverse frequencies according to the original RoPE implementation
-        Args:
-            config ([`~transformers.PreTrainedConfig`]):
-                The model configuration.
-        Returns:
-            Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
-            post-processing scaling factor applied to the computed cos/sin (unused in this type of RoPE).
-        """
-        base = config.rope_parameters["rope_theta"]
-        dim = (
-            getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads
-        )
-
-        attention_factor = 1.0  # Unused in this type of RoPE
-        # Compute the inverse frequencies
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq, attention_factor
-
-    @torch.no_grad()
-    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
-    def forward(self, x, position_ids):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(
-            device=x.device, dtype=torch.float
-        )
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 class DbrxAttention(nn.Module):
@@ -392,7 +335,7 @@ class DbrxNormAttentionNorm(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: torch.LongTensor,
+        position_embeddings: torch.LongTensor = None,
         attention_mask: torch.Tensor | None = None,
         past_key_values=None,
         positions: torch.Tensor | None = None,
@@ -402,10 +345,7 @@ class DbrxNormAttentionNorm(nn.Module):
         hidden_states = self.norm_1(hidden_states).to(hidden_states.dtype)
 
         hidden_states, _ = self.attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            positions=positions,
-            **kwargs,
+            hidden_states=hidden_states, positions=positions, **kwargs
         )
 
         hidden_states = nn.functional.dropout(
@@ -451,11 +391,7 @@ class DbrxBlock(nn.Module):
         **kwargs,
     ):
         resid_states, hidden_states = self.norm_attn_norm(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_embeddings=position_embeddings,
-            positions=positions,
-            **kwargs,
+            hidden_states=hidden_states, positions=positions, **kwargs
         )
 
         hidden_states = self.ffn(hidden_states)
@@ -476,7 +412,6 @@ class DbrxModel(nn.Module):
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.emb_pdrop = config.emb_pdrop
-        self.rotary_emb = DbrxRotaryEmbedding(config)
         if get_pp_group().is_first_rank or (
             config.tie_word_embeddings and get_pp_group().is_last_rank
         ):
@@ -527,15 +462,9 @@ class DbrxModel(nn.Module):
             if inputs_embeds is None:
                 inputs_embeds = self.wte(input_ids)
             hidden_states = inputs_embeds
-        # create position embeddings to be shared across the decoder layers
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for decoder_layer in islice(self.blocks, self.start_layer, self.end_layer):
             hidden_states = decoder_layer(
-                hidden_states,
-                position_embeddings=position_embeddings,
-                attention_mask=None,
-                position_ids=position_ids,
-                positions=positions,
+                hidden_states, position_ids=position_ids, positions=positions
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

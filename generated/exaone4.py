@@ -280,7 +280,6 @@ class Exaone4DecoderLayer(nn.Module):
         residual = hidden_states
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
-            attention_mask=attention_mask,
             position_ids=position_ids,
             positions=positions,
             **kwargs,
@@ -354,12 +353,6 @@ class Exaone4Model(nn.Module):
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
-        # Create the masks
-        causal_mask_mapping = {
-            "full_attention": None,
-        }
-        if "sliding_attention" in self.config.layer_types:
-            causal_mask_mapping["sliding_attention"] = None
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
         for i, decoder_layer in enumerate(
@@ -368,10 +361,7 @@ class Exaone4Model(nn.Module):
         ):
             layer_type = self.config.layer_types[i]
             hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask_mapping[layer_type],
-                position_ids=position_ids,
-                positions=positions,
+                hidden_states, position_ids=position_ids, positions=positions
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

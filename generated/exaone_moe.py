@@ -350,7 +350,6 @@ class ExaoneMoeDecoderLayer(nn.Module):
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
-            attention_mask=attention_mask,
             position_ids=position_ids,
             positions=positions,
             **kwargs,
@@ -437,7 +436,6 @@ class ExaoneMoeModel(nn.Module):
         ):
             hidden_states, residual = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
                 position_ids=position_ids,
                 residual=residual,
                 positions=positions,

@@ -462,7 +462,7 @@ class FalconAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         alibi: torch.Tensor | None,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor = None,
         position_ids: torch.LongTensor | None = None,
         layer_past=None,
         use_cache: bool = False,
@@ -597,7 +597,7 @@ class FalconDecoderLayer(nn.Module):
         self,
         hidden_states: torch.Tensor,
         alibi: torch.Tensor | None,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor = None,
         position_ids: torch.LongTensor | None = None,
         layer_past=None,
         use_cache: bool = False,
@@ -619,8 +619,6 @@ class FalconDecoderLayer(nn.Module):
         # Self attention.
         attention_output, attn_weights = self.self_attention(
             attention_layernorm_out,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
             alibi=alibi,
             position_embeddings=position_embeddings,
         )
@@ -759,11 +757,7 @@ class FalconModel(nn.Module):
         ):
 
             outputs = block(
-                hidden_states,
-                attention_mask=causal_mask,
-                position_ids=position_ids,
-                alibi=alibi,
-                position_embeddings=position_embeddings,
+                hidden_states, alibi=alibi, position_embeddings=position_embeddings
             )
 
             hidden_states = outputs[0]

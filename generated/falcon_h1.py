@@ -433,7 +433,6 @@ class FalconH1DecoderLayer(nn.Module):
 
         attention_hidden_states, _ = self.self_attn(
             hidden_states=hidden_states * self.attention_in_multiplier,
-            attention_mask=attention_mask,
             position_ids=position_ids,
             positions=positions,
             **kwargs,
@@ -563,17 +562,9 @@ class FalconH1Model(nn.Module):
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids) * self.embedding_multiplier
             hidden_states = inputs_embeds
-        # Create the masks
-        causal_mask_mapping = {
-            "full_attention": None,
-            "linear_attention": None,
-        }
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
             layer_outputs = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask_mapping["full_attention"],
-                position_ids=position_ids,
-                positions=positions,
+                hidden_states, position_ids=position_ids, positions=positions
             )
 
             hidden_states = layer_outputs[0]

@@ -522,7 +522,7 @@ class Gemma3nTextAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: torch.Tensor,
-        attention_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
         past_key_values=None,
         shared_kv_states: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
         **kwargs,
@@ -645,7 +645,6 @@ class Gemma3nTextDecoderLayer(nn.Module):
 
         attn, _ = self.self_attn(
             hidden_states=active_prediction_normed,
-            attention_mask=attention_mask,
             shared_kv_states=shared_kv_states,
             position_ids=position_ids,
             position_embeddings=position_embeddings,
@@ -964,7 +963,6 @@ class Gemma3nTextModel(nn.Module):
                 position_embeddings[self.config.layer_types[i]],
                 per_layer_input,
                 shared_kv_states=shared_kv_states,
-                attention_mask=causal_mask,
                 position_ids=position_ids,
             )
         if not get_pp_group().is_last_rank:

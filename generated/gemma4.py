@@ -409,8 +409,8 @@ class Gemma4TextAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        shared_kv_states: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        attention_mask: torch.Tensor | None = None,
+        shared_kv_states: dict[str, tuple[torch.Tensor, torch.Tensor]] = None,
         past_key_values=None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -626,7 +626,6 @@ class Gemma4TextDecoderLayer(nn.Module):
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
             position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
             shared_kv_states=shared_kv_states,
             position_ids=position_ids,
             **kwargs,
@@ -815,11 +814,6 @@ class Gemma4TextModel(nn.Module):
                 per_layer_inputs = self.project_per_layer_inputs(
                     inputs_embeds, per_layer_inputs
                 )
-        # Create the masks
-        causal_mask_mapping = {
-            "full_attention": None,
-            "sliding_attention": None,
-        }
         if get_pp_group().is_first_rank:
             # embed positions
             hidden_states = inputs_embeds
@@ -846,7 +840,6 @@ class Gemma4TextModel(nn.Module):
                 per_layer_input,
                 shared_kv_states=shared_kv_states,
                 position_embeddings=position_embeddings[self.config.layer_types[i]],
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
                 position_ids=position_ids,
             )
         if not get_pp_group().is_last_rank:

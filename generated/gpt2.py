@@ -390,9 +390,7 @@ class GPT2Block(nn.Module):
     ) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.ln_1(hidden_states)
-        attn_output, _ = self.attn(
-            hidden_states, attention_mask=attention_mask, **kwargs
-        )
+        attn_output, _ = self.attn(hidden_states, **kwargs)
         # residual connection
         hidden_states = attn_output + residual
 

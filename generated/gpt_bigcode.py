@@ -373,9 +373,7 @@ class GPTBigCodeBlock(nn.Module):
     ) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.ln_1(hidden_states)
-        attn_output, _ = self.attn(
-            hidden_states, attention_mask=attention_mask, **kwargs
-        )
+        attn_output, _ = self.attn(hidden_states, **kwargs)
         hidden_states = attn_output + residual
 
         residual = hidden_states
@@ -461,8 +459,7 @@ class GPTBigCodeModel(nn.Module):
         for block in islice(self.h, self.start_layer, self.end_layer):
             hidden_states = block(
                 hidden_states,  # as a positional argument for gradient checkpointing
-                None,  # as a positional argument for gradient checkpointing
-                attention_mask=None,
+                None,
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

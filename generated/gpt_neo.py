@@ -290,7 +290,7 @@ class GPTNeoAttention(nn.Module):
         output_attentions=False,
         **kwargs,
     ):
-        return self.attention(hidden_states, attention_mask=attention_mask)
+        return self.attention(hidden_states)
 
 
 class GPTNeoMLP(nn.Module):
@@ -365,9 +365,7 @@ class GPTNeoBlock(nn.Module):
     ):
         residual = hidden_states
         hidden_states = self.ln_1(hidden_states)
-        attn_output, attn_weights = self.attn(
-            hidden_states, attention_mask=attention_mask
-        )
+        attn_output, attn_weights = self.attn(hidden_states)
 
         # residual connection
         hidden_states = attn_output + residual
@@ -454,7 +452,7 @@ class GPTNeoModel(nn.Module):
             islice(self.h, self.start_layer, self.end_layer), start=self.start_layer
         ):
 
-            outputs = block(hidden_states, attention_mask=None)
+            outputs = block(hidden_states)
 
             hidden_states = outputs[0]
         if not get_pp_group().is_last_rank:

@@ -285,8 +285,8 @@ class GPTNeoXJapaneseAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.FloatTensor,
-        attention_mask: torch.FloatTensor,
-        position_ids: torch.LongTensor,
+        attention_mask: torch.FloatTensor = None,
+        position_ids: torch.LongTensor = None,
         layer_past=None,
         use_cache: bool | None = False,
         output_attentions: bool | None = False,
@@ -459,10 +459,7 @@ class GPTNeoXJapaneseLayer(nn.Module):
         residual = hidden_states
         ln_out = self.input_layernorm(hidden_states)
         attn_output, attn_weights, attn_bias = self.attention(
-            ln_out,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            position_embeddings=position_embeddings,
+            ln_out, position_embeddings=position_embeddings
         )
 
         # attn_output = (atten_output + bias) + residual
@@ -554,12 +551,7 @@ class GPTNeoXJapaneseModel(nn.Module):
             start=self.start_layer,
         ):
 
-            outputs = layer(
-                hidden_states,
-                attention_mask=None,
-                position_ids=position_ids,
-                position_embeddings=position_embeddings,
-            )
+            outputs = layer(hidden_states, position_embeddings=position_embeddings)
             hidden_states = outputs[0]
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

@@ -202,7 +202,7 @@ class GraniteSWAAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
-        attention_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
         past_key_values=None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -326,7 +326,6 @@ class GraniteSWADecoderLayer(nn.Module):
 
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
-            attention_mask=attention_mask,
             position_ids=position_ids,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -462,10 +461,6 @@ class GraniteSWAModel(nn.Module):
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
         inputs_embeds = inputs_embeds * self.embedding_multiplier
-        causal_mask_mapping = {
-            "full_attention": None,
-            "sliding_attention": None,
-        }
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
         # Compute (cos, sin) once per unique non-zero base theta; layers with theta 0 (NoPE) receive
@@ -488,7 +483,6 @@ class GraniteSWAModel(nn.Module):
             )
             hidden_states, residual = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
                 position_ids=position_ids,
                 position_embeddings=layer_position_embeddings,
                 residual=residual,

@@ -478,10 +478,7 @@ class JambaAttentionDecoderLayer(nn.Module):
             # the previous layer's residual add, fused into this norm
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            **kwargs,
+            hidden_states=hidden_states, position_ids=position_ids, **kwargs
         )
         hidden_states, residual = self.pre_ff_layernorm(hidden_states, residual)
         hidden_states = self.feed_forward(hidden_states)
@@ -606,11 +603,6 @@ class JambaModel(nn.Module):
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
-        # Create the masks
-        causal_mask_mapping = {
-            "full_attention": None,
-            "linear_attention": None,
-        }
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
             residual = None
@@ -619,10 +611,7 @@ class JambaModel(nn.Module):
             start=self.start_layer,
         ):
             hidden_states, residual = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
-                position_ids=position_ids,
-                residual=residual,
+                hidden_states, position_ids=position_ids, residual=residual
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors(

@@ -535,7 +535,6 @@ class JetMoeDecoderLayer(nn.Module):
         # Self Attention
         hidden_states, _, _ = self.self_attention(
             hidden_states=hidden_states,
-            attention_mask=attention_mask,
             position_ids=position_ids,
             positions=positions,
             **kwargs,
@@ -611,10 +610,7 @@ class JetMoeModel(nn.Module):
             hidden_states = inputs_embeds
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=None,
-                position_ids=position_ids,
-                positions=positions,
+                hidden_states, position_ids=position_ids, positions=positions
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

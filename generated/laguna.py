@@ -441,7 +441,6 @@ class LagunaDecoderLayer(nn.Module):
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
-            attention_mask=attention_mask,
             position_ids=position_ids,
             positions=positions,
             **kwargs,
@@ -527,7 +526,6 @@ class LagunaModel(nn.Module):
         ):
             hidden_states, residual = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
                 position_ids=position_ids,
                 residual=residual,
                 positions=positions,

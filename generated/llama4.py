@@ -417,7 +417,7 @@ class Llama4TextAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
         past_key_values=None,
         positions: torch.Tensor | None = None,
         **kwargs,
@@ -513,7 +513,6 @@ class Llama4TextDecoderLayer(nn.Module):
         attention_states, _ = self.self_attn(
             hidden_states=hidden_states,
             position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
             positions=positions,
             **kwargs,
         )
@@ -590,11 +589,6 @@ class Llama4TextModel(nn.Module):
                 inputs_embeds = self.embed_tokens(
                     input_ids.to(self.embed_tokens.weight.device)
                 )
-        # Create the masks
-        causal_mask_mapping = {
-            "full_attention": None,
-            "chunked_attention": None,
-        }
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
         # create position embeddings to be shared across the decoder layers
@@ -604,10 +598,7 @@ class Llama4TextModel(nn.Module):
             start=self.start_layer,
         ):
             hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
-                position_embeddings=freq_cis,
-                positions=positions,
+                hidden_states, position_embeddings=freq_cis, positions=positions
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

@@ -441,7 +441,6 @@ class MiniCPM3DecoderLayer(nn.Module):
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
-            attention_mask=attention_mask,
             position_ids=position_ids,
             positions=positions,
             **kwargs,
@@ -521,7 +520,6 @@ class MiniCPM3Model(nn.Module):
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states, residual = decoder_layer(
                 hidden_states,
-                attention_mask=None,
                 position_ids=position_ids,
                 residual=residual,
                 positions=positions,

@@ -278,7 +278,6 @@ class Ministral3DecoderLayer(nn.Module):
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
-            attention_mask=attention_mask,
             position_ids=position_ids,
             positions=positions,
             **kwargs,
@@ -353,7 +352,6 @@ class Ministral3Model(nn.Module):
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states, residual = decoder_layer(
                 hidden_states,
-                attention_mask=None,
                 position_ids=position_ids,
                 residual=residual,
                 positions=positions,

@@ -561,8 +561,8 @@ class Mistral4Attention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor = None,
         past_key_values=None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
@@ -665,7 +665,6 @@ class Mistral4DecoderLayer(nn.Module):
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
-            attention_mask=attention_mask,
             position_ids=position_ids,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -744,7 +743,6 @@ class Mistral4Model(nn.Module):
             hidden_states, residual = decoder_layer(
                 hidden_states,
                 position_embeddings=position_embeddings,
-                attention_mask=None,
                 position_ids=position_ids,
                 residual=residual,
             )

@@ -361,10 +361,7 @@ class ModernBertDecoderLayer(nn.Module):
 
         # Self Attention
         attn_outputs = self.attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            positions=positions,
-            **kwargs,
+            hidden_states=hidden_states, positions=positions, **kwargs
         )
         hidden_states = attn_outputs[0]
 
@@ -460,19 +457,12 @@ class ModernBertDecoderModel(nn.Module):
             hidden_states = self.embeddings(
                 input_ids=input_ids, inputs_embeds=inputs_embeds
             )
-        causal_mask_mapping = {
-            "full_attention": None,
-            "sliding_attention": None,
-        }
         for i, decoder_layer in enumerate(
             islice(self.layers, self.start_layer, self.end_layer),
             start=self.start_layer,
         ):
             hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
-                position_ids=position_ids,
-                positions=positions,
+                hidden_states, position_ids=position_ids, positions=positions
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

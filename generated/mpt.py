@@ -205,7 +205,7 @@ class MptAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_bias: torch.Tensor,
+        position_bias: torch.Tensor = None,
         past_key_values=None,
         attention_mask: torch.Tensor | None = None,
         **kwargs,
@@ -310,8 +310,8 @@ class MptBlock(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_bias: torch.Tensor,
-        attention_mask: torch.Tensor,
+        position_bias: torch.Tensor = None,
+        attention_mask: torch.Tensor = None,
         layer_past=None,
         use_cache: bool = False,
         output_attentions: bool = False,
@@ -324,9 +324,7 @@ class MptBlock(nn.Module):
         residual = hidden_states
 
         # Self attention.
-        attn_outputs, attn_weights = self.attn(
-            layernorm_output, position_bias=position_bias, attention_mask=attention_mask
-        )
+        attn_outputs, attn_weights = self.attn(layernorm_output)
 
         hidden_states = self.resid_attn_dropout(attn_outputs) + residual
 
@@ -402,13 +400,9 @@ class MptModel(nn.Module):
             if inputs_embeds is None:
                 inputs_embeds = self.wte(input_ids)
             hidden_states = inputs_embeds
-        # Compute alibi tensor: check build_alibi_tensor documentation
-        alibi = self.build_mpt_alibi_tensor(
-            self.num_heads, self.config.max_seq_len, device=hidden_states.device
-        )
         for block in islice(self.blocks, self.start_layer, self.end_layer):
 
-            outputs = block(hidden_states, attention_mask=None, position_bias=alibi)
+            outputs = block(hidden_states)
 
             hidden_states = outputs[0]
         if not get_pp_group().is_last_rank:

@@ -379,7 +379,6 @@ class NanoChatDecoderLayer(nn.Module):
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
-            attention_mask=attention_mask,
             position_ids=position_ids,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -456,7 +455,6 @@ class NanoChatModel(nn.Module):
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states, residual = decoder_layer(
                 hidden_states,
-                attention_mask=None,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
                 residual=residual,

@@ -387,7 +387,7 @@ class OlmoHybridAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
-        attention_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
         past_key_values=None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -545,7 +545,6 @@ class OlmoHybridAttentionDecoderLayer(nn.Module):
         residual = hidden_states
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
-            attention_mask=attention_mask,
             position_ids=position_ids,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -690,11 +689,6 @@ class OlmoHybridModel(nn.Module):
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
-        # Create the masks
-        causal_mask_mapping = {
-            "full_attention": None,
-            "linear_attention": None,
-        }
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
         # RoPE or NoPE
@@ -716,7 +710,6 @@ class OlmoHybridModel(nn.Module):
             hidden_states = decoder_layer(
                 hidden_states,
                 position_embeddings=layer_position_embeddings,
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
                 position_ids=position_ids,
             )
         if not get_pp_group().is_last_rank:

@@ -272,7 +272,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(nx, eps=config.layer_norm_epsilon)
 
     def forward(self, x, attention_mask=None, output_attentions=False):
-        attn_outputs = self.attn(x, attention_mask=attention_mask)
+        attn_outputs = self.attn(x)
         a = attn_outputs[0]
 
         n = self.ln_1(x + a)

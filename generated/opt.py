@@ -329,10 +329,7 @@ class OPTDecoderLayer(nn.Module):
 
         # Self Attention
         hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            **kwargs,
+            hidden_states=hidden_states, position_ids=position_ids, **kwargs
         )
         hidden_states = nn.functional.dropout(
             hidden_states, p=self.dropout, training=False
@@ -487,9 +484,7 @@ class OPTDecoder(nn.Module):
             start=self.start_layer,
         ):
 
-            hidden_states = decoder_layer(
-                hidden_states, attention_mask=None, position_ids=position_ids
-            )
+            hidden_states = decoder_layer(hidden_states, position_ids=position_ids)
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})
         if self.final_layer_norm is not None:

@@ -451,7 +451,6 @@ class Qwen3_5MoeDecoderLayer(nn.Module):
             # Self Attention
             hidden_states, _ = self.self_attn(
                 hidden_states=hidden_states,
-                attention_mask=attention_mask,
                 position_ids=position_ids,
                 positions=positions,
                 **kwargs,
@@ -534,11 +533,6 @@ class Qwen3_5MoeTextModel(nn.Module):
             position_ids = position_ids[1:]
         else:
             text_position_ids = None
-        # Create the masks
-        causal_mask_mapping = {
-            "full_attention": None,
-            "linear_attention": None,
-        }
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
         for i, decoder_layer in enumerate(
@@ -546,10 +540,7 @@ class Qwen3_5MoeTextModel(nn.Module):
             start=self.start_layer,
         ):
             hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
-                position_ids=text_position_ids,
-                positions=positions,
+                hidden_states, position_ids=text_position_ids, positions=positions
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

@@ -466,7 +466,6 @@ class Qwen3NextDecoderLayer(nn.Module):
             # Self Attention
             hidden_states, _ = self.self_attn(
                 hidden_states=hidden_states,
-                attention_mask=attention_mask,
                 position_ids=position_ids,
                 positions=positions,
                 **kwargs,
@@ -542,11 +541,6 @@ class Qwen3NextModel(nn.Module):
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
-        # Create the masks
-        causal_mask_mapping = {
-            "full_attention": None,
-            "linear_attention": None,
-        }
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
         for i, decoder_layer in enumerate(
@@ -554,10 +548,7 @@ class Qwen3NextModel(nn.Module):
             start=self.start_layer,
         ):
             hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
-                position_ids=position_ids,
-                positions=positions,
+                hidden_states, position_ids=position_ids, positions=positions
             )
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})

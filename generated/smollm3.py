@@ -275,7 +275,6 @@ class SmolLM3DecoderLayer(nn.Module):
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
-            attention_mask=attention_mask,
             position_ids=position_ids,
             positions=positions,
             **kwargs,
@@ -345,13 +344,6 @@ class SmolLM3Model(nn.Module):
         if get_pp_group().is_first_rank:
             if inputs_embeds is None:
                 inputs_embeds = self.embed_tokens(input_ids)
-        # Create the masks
-        causal_mask_mapping = {
-            "full_attention": None,
-        }
-        # The sliding window alternating layers are not always activated depending on the config
-        if self.has_sliding_layers:
-            causal_mask_mapping["sliding_attention"] = None
         if get_pp_group().is_first_rank:
             hidden_states = inputs_embeds
         if get_pp_group().is_first_rank:
@@ -362,7 +354,6 @@ class SmolLM3Model(nn.Module):
         ):
             hidden_states, residual = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask_mapping[self.config.layer_types[i]],
                 position_ids=position_ids,
                 residual=residual,
                 positions=positions,

@@ -352,10 +352,7 @@ class StableLmDecoderLayer(nn.Module):
 
         # Self Attention
         self_attn_output, _ = self.self_attn(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            positions=positions,
+            hidden_states=hidden_states, positions=positions
         )
 
         # copied from transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXLayer.forward
@@ -429,7 +426,6 @@ class StableLmModel(nn.Module):
         # vLLM runs every request's tokens as one sequence: a batch of one
         input_ids = input_ids[None] if input_ids is not None else None
         inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
-        position_ids = positions[None]
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
@@ -438,12 +434,7 @@ class StableLmModel(nn.Module):
                 inputs_embeds = self.embed_tokens(input_ids)
             hidden_states = inputs_embeds
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=None,
-                position_ids=position_ids,
-                positions=positions,
-            )
+            hidden_states = decoder_layer(hidden_states, positions=positions)
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})
         hidden_states = self.norm(hidden_states)

@@ -430,9 +430,7 @@ class XGLMDecoderLayer(nn.Module):
         hidden_states = self.self_attn_layer_norm(hidden_states)
 
         # Self Attention
-        hidden_states, _ = self.self_attn(
-            hidden_states, attention_mask=attention_mask, **kwargs
-        )
+        hidden_states, _ = self.self_attn(hidden_states, **kwargs)
         hidden_states = nn.functional.dropout(
             hidden_states, p=self.dropout, training=False
         )

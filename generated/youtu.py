@@ -431,7 +431,7 @@ class YoutuAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
         past_key_values=None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
@@ -519,7 +519,6 @@ class YoutuDecoderLayer(nn.Module):
         # Self Attention
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
-            attention_mask=attention_mask,
             position_ids=position_ids,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -596,7 +595,6 @@ class YoutuModel(nn.Module):
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states, residual = decoder_layer(
                 hidden_states,
-                attention_mask=None,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
                 residual=residual,

@@ -621,7 +621,6 @@ class Zamba2AttentionDecoderLayer(nn.Module):
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states,
             layer_idx=layer_idx,
-            attention_mask=attention_mask,
             positions=positions,
             **kwargs,
         )

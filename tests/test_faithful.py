@@ -1,6 +1,7 @@
 """Copied classes, engine-free: what the copy folds and keeps, what the probes read from
 real sources, and where it refuses. `--disable attention` keeps the source's attention
 class as it computes it, so the copy itself is what these tests see."""
+
 from __future__ import annotations
 
 import re

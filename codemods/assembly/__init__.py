@@ -89,7 +89,7 @@ def assemble(model: Model, copied: Copied, defs: Definitions, plan: Plan) -> Ass
         _loading(model, plan),
     )
     keep = {roles.base.name, roles.causal.name} | roles.wrapper_names
-    removed = dead_code.prune(pieces, roles, keep)
+    removed = dead_code.prune(pieces, roles, keep, defs.nodes)
     plan.unfused[:] = [u for u in plan.unfused if u.source_class not in removed]
     order = list(classes)
     body = "\n\n".join(pieces[n] for n in sorted(pieces, key=order.index))

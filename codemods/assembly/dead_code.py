@@ -2,11 +2,12 @@
 handed its layers rotary tables, so the base model's rotary module computes tables
 nothing reads. Removed by dataflow, not by name:
 
-- a decoder layer's forward parameter its body no longer reads is no longer passed by
-  the base model's loop;
-- a base-model statement whose names nothing reads afterwards, and which only calls
-  parameter-free modules of the base model, is dropped, and so is the construction of
-  a parameter-free module nothing calls any more;
+- a copied class's forward parameter its body no longer reads is no longer passed by
+  the copied classes that call it (`unread_arguments`), nor by the base model's loop;
+- a base-model statement whose names nothing reads afterwards, and which only makes
+  calls that change nothing (`pure_calls`: tensor ops, parameter-free modules of the
+  base model, helpers that only compute), is dropped, and so is the construction of a
+  parameter-free module nothing calls any more;
 - a class no remaining code names is not emitted.
 """
 
@@ -19,10 +20,17 @@ from fusion_patterns.base import code
 from fusion_patterns.emitting import DefaultNone
 
 from ..copying.simplify import loads
+from . import unread_arguments
+from .pure_calls import PureCalls
 
 
-def prune(pieces: dict[str, str], roles, keep: set[str]) -> set[str]:
-    """Prune `pieces` (class name -> text) in place; the names of the classes removed."""
+def prune(
+    pieces: dict[str, str], roles, keep: set[str], functions: dict | None = None
+) -> set[str]:
+    """Prune `pieces` (class name -> text) in place; the names of the classes removed.
+    `functions`: the source's module-level definitions (name -> node) the base model
+    may call."""
+    unread_arguments.drop(pieces)
     unused = None
     for n in roles.layer_classes:
         found = _unread_params(pieces.get(n, ""))
@@ -34,7 +42,9 @@ def prune(pieces: dict[str, str], roles, keep: set[str]) -> set[str]:
     base = roles.base.name
     stateless = {a for a, where in roles.placement.items() if where == "every"}
     pieces[base] = code(
-        cst.parse_module(pieces[base]).visit(_PruneBase(unused or set(), stateless))
+        cst.parse_module(pieces[base]).visit(
+            _PruneBase(unused or set(), stateless, functions or {})
+        )
     )
     removed: set[str] = set()
     changed = True
@@ -71,8 +81,17 @@ def _unread_params(text: str) -> set[str]:
 
 
 class _PruneBase(cst.CSTTransformer):
-    def __init__(self, unread: set[str], stateless: set[str]):
+    def __init__(self, unread: set[str], stateless: set[str], functions: dict):
         self.unread, self.stateless = unread, stateless
+        self.functions = functions
+        self.methods: dict[str, cst.FunctionDef] = {}
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.methods = {
+            f.name.value: f
+            for f in node.body.body
+            if isinstance(f, cst.FunctionDef) and f.name.value != "forward"
+        }
 
     def leave_FunctionDef(self, original, updated: cst.FunctionDef):
         if updated.name.value != "forward":
@@ -105,9 +124,9 @@ class _PruneBase(cst.CSTTransformer):
 
     def _dead(self, stmt, later_reads: set[str]) -> bool:
         """Nothing after `stmt` reads what it binds, and running it does nothing else:
-        it only binds local names (or items of them) and only calls parameter-free
-        modules of the base model or builtins and methods that change nothing (a mask's
-        keyword dict, a rotary table per layer type filled in a loop)."""
+        it only binds local names (or items of them) and only makes calls that change
+        nothing (a mask's keyword dict, a rotary table per layer type filled in a loop,
+        BLOOM's ALiBi tensor)."""
         found = _local_stores(stmt)
         if not found:
             return False
@@ -118,28 +137,7 @@ class _PruneBase(cst.CSTTransformer):
         return not (bound & later_reads) and self._pure_calls(stmt, bound)
 
     def _pure_calls(self, stmt, bound: set[str]) -> bool:
-        lazy = {
-            id(c)
-            for lam in m.findall(stmt, m.Lambda())
-            for c in m.findall(lam, m.Call())
-        }
-        for c in m.findall(stmt, m.Call()):
-            if id(c) in lazy:  # a lambda's body does not run where it is defined
-                continue
-            f = c.func
-            if m.matches(f, m.Attribute(value=m.Name("self"))):
-                if f.attr.value not in self.stateless:
-                    return False
-            elif m.matches(f, m.Name()):
-                if f.value not in _PURE_BUILTINS:
-                    return False
-            elif not (
-                m.matches(f, m.Attribute(value=m.Name()))
-                and f.value.value != "self"
-                and f.attr.value in _PURE_METHODS
-            ):
-                return False
-        return True
+        return PureCalls(self.stateless, self.methods, self.functions).holds(stmt)
 
     def leave_ClassDef(self, original, updated: cst.ClassDef):
         targets = {
@@ -154,10 +152,6 @@ class _PruneBase(cst.CSTTransformer):
             if id(a) not in targets
         }
         return updated.visit(_DropConstructions(self.stateless - used))
-
-
-_PURE_BUILTINS = {"set", "dict", "list", "tuple", "len", "range", "enumerate", "zip"}
-_PURE_METHODS = {"copy", "get", "items", "keys", "values"}
 
 
 def _local_stores(stmt) -> set[str] | None:
