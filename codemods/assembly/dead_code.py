@@ -21,19 +21,19 @@ from fusion_patterns.emitting import DefaultNone
 
 from ..copying.simplify import loads
 from . import unread_arguments
+from .unread_arguments import class_info, unread_params, without_keywords
 from .pure_calls import PureCalls
 
 
-def prune(
-    pieces: dict[str, str], roles, keep: set[str], functions: dict | None = None
-) -> set[str]:
+def prune(pieces: dict[str, str], roles, keep: set[str], functions: dict) -> set[str]:
     """Prune `pieces` (class name -> text) in place; the names of the classes removed.
     `functions`: the source's module-level definitions (name -> node) the base model
     may call."""
     unread_arguments.drop(pieces)
     unused = None
     for n in roles.layer_classes:
-        found = _unread_params(pieces.get(n, ""))
+        info = class_info(pieces[n]) if n in pieces else None
+        found = unread_params(info.forward) if info is not None else set()
         unused = found if unused is None else unused & found
     # the loop no longer passes them: a parameter without a default gets one
     for n in roles.layer_classes:
@@ -43,7 +43,7 @@ def prune(
     stateless = {a for a, where in roles.placement.items() if where == "every"}
     pieces[base] = code(
         cst.parse_module(pieces[base]).visit(
-            _PruneBase(unused or set(), stateless, functions or {})
+            _PruneBase(unused or set(), stateless, functions)
         )
     )
     removed: set[str] = set()
@@ -61,37 +61,20 @@ def prune(
     return removed
 
 
-def _forward(module: cst.Module) -> cst.FunctionDef | None:
-    found = [
-        f
-        for f in m.findall(module, m.FunctionDef(name=m.Name("forward")))
-        if isinstance(f, cst.FunctionDef)
-    ]
-    return found[0] if found else None
-
-
-def _unread_params(text: str) -> set[str]:
-    if not text:
-        return set()
-    func = _forward(cst.parse_module(text))
-    if func is None:
-        return set()
-    named = {p.name.value for p in [*func.params.params, *func.params.kwonly_params]}
-    return named - {"self"} - set(loads(func.body))
-
-
 class _PruneBase(cst.CSTTransformer):
     def __init__(self, unread: set[str], stateless: set[str], functions: dict):
         self.unread, self.stateless = unread, stateless
         self.functions = functions
-        self.methods: dict[str, cst.FunctionDef] = {}
+        self.pure: PureCalls | None = None
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self.methods = {
+        methods = {
             f.name.value: f
             for f in node.body.body
             if isinstance(f, cst.FunctionDef) and f.name.value != "forward"
         }
+        # one per class: what it learns of a helper's body holds for every statement
+        self.pure = PureCalls(self.stateless, methods, self.functions)
 
     def leave_FunctionDef(self, original, updated: cst.FunctionDef):
         if updated.name.value != "forward":
@@ -134,10 +117,7 @@ class _PruneBase(cst.CSTTransformer):
         if {n[1:] for n in found if n.startswith("[")} & self.params:
             return False
         bound = {n.lstrip("[") for n in found}
-        return not (bound & later_reads) and self._pure_calls(stmt, bound)
-
-    def _pure_calls(self, stmt, bound: set[str]) -> bool:
-        return PureCalls(self.stateless, self.methods, self.functions).holds(stmt)
+        return not (bound & later_reads) and self.pure.holds(stmt)
 
     def leave_ClassDef(self, original, updated: cst.ClassDef):
         targets = {
@@ -225,16 +205,7 @@ class _DropKeywords(cst.CSTTransformer):
             isinstance(updated.func, cst.Name) and updated.func.value in self.layer_vars
         ):
             return updated
-        args = [
-            a
-            for a in updated.args
-            if a.keyword is None or a.keyword.value not in self.names
-        ]
-        if len(args) == len(updated.args):
-            return updated
-        if args:
-            args[-1] = args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
-        return updated.with_changes(args=args)
+        return without_keywords(updated, lambda a: a.keyword.value in self.names)[0]
 
 
 class _DropConstructions(cst.CSTTransformer):

@@ -15,10 +15,11 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from fusion_patterns.base import code
+from fusion_patterns.base import ClassInfo, code
 from fusion_patterns.emitting import DefaultNone
 
 from ..copying.simplify import loads
+from ..source import class_infos
 
 
 def drop(pieces: dict[str, str]) -> None:
@@ -26,14 +27,15 @@ def drop(pieces: dict[str, str]) -> None:
     class passes to another copied class's forward that does not read it."""
     dropped: dict[str, set[str]] = {}  # callee class -> parameters no longer passed
     for _ in range(len(pieces) + 1):  # each round settles one more level of callers
-        unread = {n: _unread(t) for n, t in pieces.items()}
+        infos = {n: i for n, t in pieces.items() if (i := class_info(t)) is not None}
+        unread = {n: unread_params(i.forward) for n, i in infos.items()}
         changed = False
-        for name, text in pieces.items():
-            module = cst.parse_module(text)
-            built = _built_as(module, set(pieces))
+        for name, info in infos.items():
+            built = _built_as(info, set(infos))
             callees = {a: unread[c] for a, c in built.items() if unread[c]}
             if not callees:
                 continue
+            module = cst.parse_module(pieces[name])
             visitor = _DropUnread(callees)
             new = module.visit(visitor)
             if not new.deep_equals(module):
@@ -48,40 +50,46 @@ def drop(pieces: dict[str, str]) -> None:
         pieces[name] = code(cst.parse_module(pieces[name]).visit(DefaultNone(names)))
 
 
-def _forward(module: cst.Module) -> cst.FunctionDef | None:
-    for f in m.findall(module, m.FunctionDef(name=m.Name("forward"))):
-        return f
-    return None
-
-
-def _unread(text: str) -> set[str]:
-    """The named parameters of the class's forward its body never reads."""
-    func = _forward(cst.parse_module(text))
-    if func is None:
+def unread_params(forward: cst.FunctionDef | None) -> set[str]:
+    """The named parameters of a forward its body never reads."""
+    if forward is None:
         return set()
-    named = {p.name.value for p in [*func.params.params, *func.params.kwonly_params]}
-    return named - {"self"} - set(loads(func.body))
+    params = [*forward.params.params, *forward.params.kwonly_params]
+    return {p.name.value for p in params} - {"self"} - set(loads(forward.body))
 
 
-def _built_as(module: cst.Module, classes: set[str]) -> dict[str, str]:
+def without_keywords(call: cst.Call, drop) -> tuple[cst.Call, set[str]]:
+    """`call` without the keyword arguments `drop(arg)` picks, and their names."""
+    args = [a for a in call.args if a.keyword is None or not drop(a)]
+    if len(args) == len(call.args):
+        return call, set()
+    names = {a.keyword.value for a in call.args if a.keyword is not None and drop(a)}
+    if args:
+        args[-1] = args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+    return call.with_changes(args=args), names
+
+
+def class_info(text: str) -> ClassInfo | None:
+    """The class `text` defines, as the patterns read classes (None: none)."""
+    return next(iter(class_infos(cst.parse_module(text)).values()), None)
+
+
+def _built_as(info: ClassInfo, classes: set[str]) -> dict[str, str]:
     """`attr -> class` for each `self.<attr>` every construction in `__init__` builds
     as one class of `classes` (an attribute built as anything else is not listed)."""
-    found: dict[str, set[str]] = {}
-    for init in m.findall(module, m.FunctionDef(name=m.Name("__init__"))):
-        for assign in m.findall(init, m.Assign()):
-            for t in assign.targets:
-                if not m.matches(t.target, m.Attribute(value=m.Name("self"))):
-                    continue
-                value = assign.value
-                built = (
-                    value.func.value
-                    if isinstance(value, cst.Call) and isinstance(value.func, cst.Name)
-                    else None
-                )
-                found.setdefault(t.target.attr.value, set()).add(
-                    built if built in classes else ""
-                )
-    return {a: next(iter(c)) for a, c in found.items() if len(c) == 1 and "" not in c}
+    out = {}
+    for attr, values in info.choices.items():
+        built = {
+            (
+                v.func.value
+                if isinstance(v, cst.Call) and isinstance(v.func, cst.Name)
+                else ""
+            )
+            for v in values
+        }
+        if len(built) == 1 and next(iter(built)) in classes:
+            out[attr] = next(iter(built))
+    return out
 
 
 class _DropUnread(cst.CSTTransformer):
@@ -99,20 +107,11 @@ class _DropUnread(cst.CSTTransformer):
         unread = self.callees.get(f.attr.value)
         if not unread:
             return updated
-        args = [
-            a
-            for a in updated.args
-            if not (
-                a.keyword is not None
-                and a.keyword.value in unread
-                and isinstance(a.value, (cst.Name, cst.Integer, cst.SimpleString))
-            )
-        ]
-        if len(args) == len(updated.args):
-            return updated
-        self.dropped.setdefault(f.attr.value, set()).update(
-            a.keyword.value for a in updated.args if all(a is not b for b in args)
+        updated, names = without_keywords(
+            updated,
+            lambda a: a.keyword.value in unread
+            and isinstance(a.value, (cst.Name, cst.Integer, cst.SimpleString)),
         )
-        if args:
-            args[-1] = args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
-        return updated.with_changes(args=args)
+        if names:
+            self.dropped.setdefault(f.attr.value, set()).update(names)
+        return updated
