@@ -171,24 +171,34 @@ def reachable_kinds(
     """{class some config can build: its open sites}, from `root`, through every site
     whose guards each read a config field; a site a constructor argument fixes is
     followed only when the tiny model built its class."""
+    from .fixed_arguments import FixedArguments
+
     sites = constructible(classes, root)
     is_open = {
         id(s): all(site_fields(s, classes)) for found in sites.values() for s in found
     }
     reached = {root}
+
+    def taken(s: Site) -> bool:
+        # a guard the constructions from what is reached decide against (Moshi's
+        # depth-decoder linears, on the side its text model never passes)
+        return (
+            s.owner in reached
+            and is_open[id(s)]
+            and not FixedArguments(classes, reached).never_taken(s)
+        )
+
     changed = True
     while changed:
         changed = False
         for kind, found in sites.items():
             if kind in reached:
                 continue
-            if kind in built or any(
-                s.owner in reached and is_open[id(s)] for s in found
-            ):
+            if kind in built or any(taken(s) for s in found):
                 reached.add(kind)
                 changed = True
     return {
-        kind: [s for s in found if s.owner in reached and is_open[id(s)]]
+        kind: [s for s in found if taken(s)]
         for kind, found in sites.items()
         if kind in reached
     }

@@ -14,6 +14,17 @@ class FinalError(CodemodError):
     final = True
 
 
+class BeyondAttention(CodemodError):
+    """An attention vLLM's `Attention` cannot take as the source computes it (a mask or
+    a sparse index that depends on the data); `what` says which. Where the model's
+    architecture is known, it is said as `vllm_native.unmapped` says a part no pattern
+    maps: out of scope where vLLM has no class for it either."""
+
+    def __init__(self, what: str):
+        super().__init__(f"cannot generate: {what}")
+        self.what = what
+
+
 def error_line(error: str) -> str:
     """An error's most telling line: a pydantic validator's own message (vLLM's config
     checks) rather than its "1 validation error for ModelConfig" header."""

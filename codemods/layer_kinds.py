@@ -336,8 +336,11 @@ def refuse_unservable(causal_cls, found: Cover, classes: dict[str, ClassInfo]) -
         selects = not branches.convolution(classes[kind])
         if why and selects and _inside_attention(found.kinds[kind], classes):
             raise CodemodError(
-                f"cannot generate: {kind}, inside the attention, keeps its own state "
-                f"in the cache ({why}): a sparse selection vLLM's Attention cannot take"
+                vllm_native.unmapped(
+                    causal_cls.__name__,
+                    f"{kind}, inside the attention, keeps its own state in the cache "
+                    f"({why}): a sparse selection vLLM's Attention cannot take",
+                )
             )
         if why and state_patterns(classes[kind]):
             continue  # its pattern's claim proves it, or says why not

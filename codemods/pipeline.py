@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from . import assembly, claims, copying, layer_kinds, loading, probe, roles
 from .copying import definitions
+from .errors import BeyondAttention, CodemodError
+from .vllm_native import unmapped
 from .assembly.base_forward import mask_functions
 from .plan import Plan
 from .render import render
@@ -49,7 +51,10 @@ def claimed(
         layer_kinds.refuse_unservable(causal_cls, kinds, source.classes)
         values = kinds.primary
     found = probe.probe(pymodule, source.classes, causal_cls, values)
-    role = roles.find(source, pymodule, causal_cls, found)
+    try:
+        role = roles.find(source, pymodule, causal_cls, found)
+    except BeyondAttention as exc:
+        raise CodemodError(unmapped(causal_cls.__name__, exc.what)) from None
     kept, branch_reads = copying.linear_reads(
         source.module, source.classes, role.wanted
     )

@@ -334,6 +334,13 @@ def refuse_out_of_scope(causal_cls, source) -> None:
             f"a masked-LM head, and {causal_cls.__name__} runs that encoder causally; "
             "the BERT family): vLLM serves such models as pooling models"
         )
+    if info is not None and _decoder_only_by_flag(info):
+        raise CodemodError(
+            f"out of scope: encoder (bidirectional unless its config says "
+            f"`is_decoder`: {causal_cls.__name__}.__init__ checks the flag, and its "
+            "stack runs causally only with it; the BERT family): vLLM serves such "
+            "models as pooling models"
+        )
     if not _attends(source):
         from .vllm_native import unmapped
 
@@ -345,6 +352,21 @@ def refuse_out_of_scope(causal_cls, source) -> None:
                 "(vLLM's Transformers backend cannot serve it either)",
             )
         )
+
+
+def _decoder_only_by_flag(info: ClassInfo) -> bool:
+    """The causal LM's `__init__` tests `not config.is_decoder` (BERT-Generation's
+    "add `is_decoder=True`" warning): its layers are an encoder's, causal only when
+    a config flag says so, not a decoder's."""
+    if info.init is None:
+        return False
+    flag = m.Attribute(value=m.Name("config"), attr=m.Name("is_decoder"))
+    return bool(
+        m.findall(
+            info.init,
+            m.If(test=m.UnaryOperation(operator=m.Not(), expression=flag)),
+        )
+    )
 
 
 def _attends(source) -> bool:

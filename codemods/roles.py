@@ -159,6 +159,11 @@ def find(source: ModelSource, pymodule, causal_cls, probe: Probe) -> Roles:
             and len(mod)
             and all(isinstance(x, GradientCheckpointingLayer) for x in mod)
         )
+    if len(lists) > 1:
+        # a tower beside the decoder (an image encoder's layers, as many as the text
+        # model's) does not run on token ids: the decoder's list is the one that ran
+        ran = [(p, mod) for p, mod in lists if id(mod[0]) in probe.module_calls]
+        lists = ran or lists
     if len(lists) != 1:
         where = f" ({', '.join(p for p, _ in lists)})" if lists else ""
         raise CodemodError(
@@ -235,7 +240,7 @@ def find(source: ModelSource, pymodule, causal_cls, probe: Probe) -> Roles:
             classes[n], core, records, config, pymodule, PROBE_TOKENS
         )
 
-    vocab_attr = _vocab_embedding(base_mod, config)
+    vocab_attr = _vocab_embedding(base_mod, config, base.forward)
     head_attr = _head(causal, model, config)
     tied_keys = getattr(causal_cls, "_tied_weights_keys", None) or {}
     tied_embedding = None
@@ -606,15 +611,28 @@ def _get(module, path: str):
     return module
 
 
-def _vocab_embedding(base_mod, config) -> str:
+def _vocab_embedding(base_mod, config, forward=None) -> str:
     """The vocabulary embedding's path below the base model (a direct child, or inside
-    an embeddings module)."""
+    an embeddings module): the `nn.Embedding` of `vocab_size` rows, else the one the
+    base forward applies to `input_ids` itself (Moshi's, a row longer than the
+    vocabulary for its padding token)."""
     import torch.nn as nn
 
     for attr, child in base_mod.named_modules():
         if (
             isinstance(child, nn.Embedding)
             and child.num_embeddings == config.vocab_size
+        ):
+            return attr
+    on_ids = m.Call(
+        func=m.Attribute(value=m.Name("self")), args=[m.Arg(value=m.Name("input_ids"))]
+    )
+    for call in m.findall(forward, on_ids) if forward is not None else ():
+        attr = call.func.attr.value
+        child = getattr(base_mod, attr, None)
+        if (
+            isinstance(child, nn.Embedding)
+            and child.num_embeddings >= config.vocab_size
         ):
             return attr
     raise CodemodError(
@@ -642,17 +660,59 @@ def _placement(base: ClassInfo, base_mod, layers_attr: str) -> dict[str, str]:
     if layers_attr not in order:
         return {}
     at = order.index(layers_attr)
+    sides = _forward_sides(base, layers_attr)
     out = {}
     for i, attr in enumerate(order):
         child = getattr(base_mod, attr, None)
         if child is None or not hasattr(child, "parameters"):
             continue
+        read = sides.get(attr, set())
         if not any(True for _ in child.parameters()):
             out[attr] = "every"
+        elif len(read) == 1:
+            out[attr] = next(iter(read))
+        # read on both sides, or not by the forward: by where `__init__` builds it
         elif i < at:
             out[attr] = "first"
         elif i > at:
             out[attr] = "last"
+    return out
+
+
+def _forward_sides(base: ClassInfo, layers_attr: str) -> dict:
+    """{attribute: {"first", "last"}}: whether the base forward reads `self.<attr>`
+    (itself or in a method of the base it calls) before its layers (the first
+    pipeline rank runs it) or after them (the last), whatever order `__init__` builds
+    them in (Phi-4-multimodal builds the embedding extension after its layers and runs
+    it before them)."""
+    if base.forward is None:
+        return {}
+    layers = m.Attribute(value=m.Name("self"), attr=m.Name(layers_attr))
+    body = list(base.forward.body.body)
+    at = next((i for i, st in enumerate(body) if m.findall(st, layers)), None)
+    if at is None:
+        return {}
+    methods = {
+        f.name.value: f
+        for f in base.node.body.body
+        if isinstance(f, cst.FunctionDef) and f.name.value != "forward"
+    }
+
+    def reads(node, seen: set) -> set[str]:
+        out = set()
+        for attr in m.findall(node, m.Attribute(value=m.Name("self"))):
+            name = attr.attr.value
+            if name in methods and name not in seen:
+                seen.add(name)
+                out |= reads(methods[name], seen)
+            out.add(name)
+        return out
+
+    out: dict[str, set] = {}
+    for i, stmt in enumerate(body):
+        side = {"first"} if i < at else {"last"} if i > at else {"first", "last"}
+        for name in reads(stmt, set()):
+            out.setdefault(name, set()).update(side)
     return out
 
 

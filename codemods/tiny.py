@@ -395,6 +395,12 @@ def variants(config_cls, values: dict):
                 chunk_size=SIZES["mamba_chunk_size"],
             )
         )
+    parts = smaller_parts(config_cls, values)
+    if parts:
+        # sub-configs (an audio or vision tower beside the text model) and
+        # vocabulary-sized fields besides the vocabulary (hashed n-gram tables) at
+        # tiny sizes: tried only where the tiny text sizes alone do not run small
+        fixes.append(lambda v: v.update(json.loads(json.dumps(parts))))
     smaller = _smaller_defaults(config_cls, values)
     if smaller:
         # counts the class's validators hold to its defaults (ZAYA: top-1 routing only)
@@ -462,6 +468,52 @@ def variants(config_cls, values: dict):
         if drop is not None:
             v.pop(drop, None)
         yield v
+
+
+def _sizes_of(config_cls, fields: dict) -> dict:
+    """`SIZES` under `config_cls`'s own field names, and its other vocabulary-sized
+    counts (an int field named for a vocabulary, above the tiny one) at the tiny
+    vocabulary."""
+    alias = getattr(config_cls, "attribute_map", {}) or {}
+    out = {
+        alias.get(k, k): v
+        for k, v in SIZES.items()
+        if isinstance(fields.get(alias.get(k, k)), int)
+        and not isinstance(fields[alias.get(k, k)], bool)
+    }
+    for name, value in fields.items():
+        if (
+            "vocab" in name
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+            and value > VOCAB
+        ):
+            out.setdefault(name, VOCAB)
+    return out
+
+
+def smaller_parts(config_cls, values: dict) -> dict:
+    """Tiny sizes for what the text sizes leave large: each sub-config (`sub_configs`:
+    Phi-4-multimodal's audio and vision towers, BLT's local encoder and decoder) under
+    its own field names, and the config's own vocabulary-sized fields besides
+    `vocab_size` (BLT's hashed byte n-gram table)."""
+    try:
+        fields = config_cls().to_dict()
+    except Exception:  # noqa: BLE001 - a class whose defaults do not validate
+        return {}
+    out = {
+        k: v
+        for k, v in _sizes_of(config_cls, fields).items()
+        if k not in values and k != "vocab_size"
+    }
+    for name, sub_cls in (getattr(config_cls, "sub_configs", None) or {}).items():
+        sub = fields.get(name)
+        if not isinstance(sub, dict) or not isinstance(sub_cls, type):
+            continue
+        small = _sizes_of(sub_cls, sub)
+        if small:
+            out[name] = {**sub, **(values.get(name) or {}), **small}
+    return out
 
 
 def _smaller_defaults(config_cls, values: dict) -> dict:

@@ -39,12 +39,15 @@ def _small_enough(causal_cls, config) -> None:
     where building costs nothing)."""
     try:
         with torch.device("meta"):
-            size = sum(p.numel() for p in causal_cls(config).parameters())
+            sizes = {n: p.numel() for n, p in causal_cls(config).named_parameters()}
     except Exception:  # noqa: BLE001 - cannot build on meta: the real build decides
         return
+    size = sum(sizes.values())
     if size > MAX_TINY_PARAMETERS:
+        largest = max(sizes, key=sizes.get)
         raise ValueError(
-            f"the tiny config still builds {size / 1e6:.0f}M parameters "
+            f"the tiny config still builds {size / 1e6:.0f}M parameters, "
+            f"{sizes[largest] / 1e6:.0f}M of them in {largest} "
             "(a size field the tiny rules do not shrink)"
         )
 

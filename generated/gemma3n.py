@@ -797,7 +797,7 @@ class Gemma3nTextModel(nn.Module):
         self.rotary_emb = Gemma3nRotaryEmbedding(config)
         self.hidden_size = config.hidden_size
         self.hidden_size_per_layer_input = config.hidden_size_per_layer_input
-        if get_pp_group().is_last_rank:
+        if get_pp_group().is_first_rank:
             self.embed_tokens_per_layer = Gemma3nTextScaledWordEmbedding(
                 config.vocab_size_per_layer_input,
                 config.num_hidden_layers * config.hidden_size_per_layer_input,
@@ -808,7 +808,7 @@ class Gemma3nTextModel(nn.Module):
             )
         else:
             self.embed_tokens_per_layer = PPMissingLayer()
-        if get_pp_group().is_last_rank:
+        if get_pp_group().is_first_rank:
             self.per_layer_model_projection = ReplicatedLinear(
                 self.hidden_size,
                 config.num_hidden_layers * config.hidden_size_per_layer_input,
@@ -819,7 +819,7 @@ class Gemma3nTextModel(nn.Module):
             )
         else:
             self.per_layer_model_projection = PPMissingLayer()
-        if get_pp_group().is_last_rank:
+        if get_pp_group().is_first_rank:
             self.per_layer_projection_norm = RMSNorm(
                 config.hidden_size_per_layer_input,
                 eps=config.rms_norm_eps,
@@ -827,7 +827,7 @@ class Gemma3nTextModel(nn.Module):
             )
         else:
             self.per_layer_projection_norm = PPMissingLayer()
-        if get_pp_group().is_last_rank:
+        if get_pp_group().is_first_rank:
             self.altup_projections = nn.ModuleList(
                 [
                     ReplicatedLinear(

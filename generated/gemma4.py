@@ -736,7 +736,7 @@ class Gemma4TextModel(nn.Module):
         # for the full pipeline. The embedding is packed: total dim = num_layers * per_layer_dim.
         self.hidden_size_per_layer_input = config.hidden_size_per_layer_input
         if self.hidden_size_per_layer_input:
-            if get_pp_group().is_last_rank:
+            if get_pp_group().is_first_rank:
                 self.embed_tokens_per_layer = Gemma4TextScaledWordEmbedding(
                     config.vocab_size_per_layer_input,
                     config.num_hidden_layers * config.hidden_size_per_layer_input,
@@ -748,7 +748,7 @@ class Gemma4TextModel(nn.Module):
             else:
                 self.embed_tokens_per_layer = PPMissingLayer()
             self.per_layer_input_scale = 2.0**-0.5
-            if get_pp_group().is_last_rank:
+            if get_pp_group().is_first_rank:
                 self.per_layer_model_projection = ReplicatedLinear(
                     config.hidden_size,
                     config.num_hidden_layers * config.hidden_size_per_layer_input,
@@ -760,7 +760,7 @@ class Gemma4TextModel(nn.Module):
             else:
                 self.per_layer_model_projection = PPMissingLayer()
             self.per_layer_model_projection_scale = config.hidden_size**-0.5
-            if get_pp_group().is_last_rank:
+            if get_pp_group().is_first_rank:
                 self.per_layer_projection_norm = RMSNorm(
                     config.hidden_size_per_layer_input,
                     eps=config.rms_norm_eps,

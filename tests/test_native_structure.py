@@ -110,8 +110,9 @@ NO_NATIVE_CLASS = {
     "arcee", "aria", "bamba", "biogpt", "bitnet", "codegen", "cohere_compass", "ctrl", "cwm", "dots1",
     "emu3", "flex_olmo", "gemma4_unified", "glm", "gpt_bigcode", "gpt_neo", "gpt_neox",
     "gpt_neox_japanese", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "jais2", "jetmoe",
-    "mellum", "ministral", "mistral4", "modernbert_decoder", "mpt", "nanochat", "olmo",
-    "olmo2", "olmo3", "openai", "persimmon", "phi", "phimoe", "seed_oss", "smollm3",
+    "mellum", "ministral", "mistral4", "modernbert_decoder", "moshi", "mpt", "nanochat",
+    "olmo", "olmo2", "olmo3", "openai", "persimmon", "phi", "phi4_multimodal", "phimoe",
+    "seed_oss", "smollm3",
     "solar_open", "starcoder2", "vaultgemma", "xglm", "youtu",
 }  # fmt: skip
 _MANIFEST = json.loads((REPO / "generated" / "manifest.json").read_text())

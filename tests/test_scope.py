@@ -205,3 +205,40 @@ def test_a_layer_without_attention_is_in_scope_only_if_it_mixes_no_tokens():
             shifted, ((), {"hidden_states": x}, shifted(hidden_states=x))
         )
     assert not _token_wise(mlp, None)  # never called: not shown token-wise
+
+
+def test_an_attention_vllm_cannot_take_is_out_of_scope_only_where_vllm_has_no_class(
+    tmp_path,
+):
+    """Doge attends through a mask it computes from the data, DeepSeek-V3.2 through a
+    sparse top-k index: neither fits vLLM's Attention. vLLM has no class for Doge
+    (out of scope, as for a mixer nothing in vLLM computes); it serves DeepSeek-V3.2
+    with its own file, so that row stays refused and names it."""
+    doge = run_cli("codemods.apply", "modeling_doge.py", "--out", str(tmp_path))
+    assert doge.returncode == 2, doge.stderr
+    line = doge.stderr.strip()
+    assert line.startswith(
+        "error: out of scope: DogeAttention.forward computes the mask"
+    )
+    assert line.endswith("vLLM has no class for DogeForCausalLM either")
+    v32 = run_cli("codemods.apply", "modeling_deepseek_v32.py", "--out", str(tmp_path))
+    assert v32.returncode == 2, v32.stderr
+    line = v32.stderr.strip()
+    assert line.startswith("error: cannot generate: model.layers.0.self_attn hands")
+    assert "`indices=` (a tensor)" in line
+    assert "vLLM serves DeepseekV32ForCausalLM with its own " in line
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_encoder_causal_only_by_its_config_flag_is_out_of_scope(tmp_path):
+    """BERT-Generation's decoder is its encoder's stack, causal only when the config
+    says `is_decoder` (transformers maps bert-generation to no masked-LM head, so the
+    mapping rule missed it and the row read as a refusal on its layer owner)."""
+    result = run_cli(
+        "codemods.apply", "modeling_bert_generation.py", "--out", str(tmp_path)
+    )
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip()
+    assert line.startswith("error: out of scope: encoder (bidirectional unless ")
+    assert "BertGenerationDecoder.__init__ checks the flag" in line
+    assert not list(tmp_path.iterdir())

@@ -169,3 +169,49 @@ def _roles(name: str):
     causal = roles.causal_class(module, src.classes, src)
     found = probe.probe(module, src.classes, causal, None)
     return roles.find(src, module, causal, found)
+
+
+def test_towers_beside_the_text_model_shrink_through_their_sub_configs():
+    """Phi-4-multimodal's causal LM builds an audio and an image tower from sub-configs
+    the text sizes do not reach (875M parameters at the tiny text sizes): their own
+    hidden sizes and depths shrink too, and the model runs small."""
+    from codemods.tiny_model import MAX_TINY_PARAMETERS, check_runs
+
+    cls = _causal("modeling_phi4_multimodal.py")
+    plain = tiny.tiny_values(cls.config_class, None, tiny.source_layer_kinds(cls))
+    with pytest.raises(ValueError, match=r"875M parameters, \d+M of them in model\."):
+        check_runs(cls, plain)
+    parts = tiny.smaller_parts(cls.config_class, plain)
+    assert parts["vision_config"]["hidden_size"] == tiny.SIZES["hidden_size"]
+    assert parts["audio_config"]["hidden_size"] == tiny.SIZES["hidden_size"]
+    values = tiny.working_values(cls)
+    config = cls.config_class(**values)
+    assert config.vision_config.hidden_size < 1152  # the class's default
+    import torch
+
+    with torch.device("meta"):
+        size = sum(p.numel() for p in cls(config).parameters())
+    assert size < MAX_TINY_PARAMETERS
+
+
+def test_the_guard_names_the_parameter_no_rule_shrinks():
+    """BLT's hashed byte n-gram table: the tiny-size guard names where the parameters
+    are, so the field behind them can be found."""
+    cls = _causal("modeling_blt.py")
+    with pytest.raises(ValueError) as caught:
+        tiny.working_values(cls)
+    assert "M of them in model.encoder_hash_tok_embedding" in str(caught.value)
+    parts = tiny.smaller_parts(
+        cls.config_class, tiny.tiny_values(cls.config_class, None, None)
+    )
+    assert parts["encoder_hash_byte_group_vocab"] == tiny.VOCAB
+
+
+def test_the_decoders_layer_list_is_the_one_that_ran():
+    """Phi-4-multimodal's image tower holds as many layers as the tiny text model: the
+    decoder's list is the one the token-ids forward ran, and the embedding extension
+    `__init__` builds after the layers runs before them (the first pipeline rank)."""
+    found = _roles("modeling_phi4_multimodal.py")
+    assert found.chain == ["model"] and found.layers_attr == "layers"
+    assert found.placement["embed_tokens_extend"] == "first"
+    assert found.placement["norm"] == "last"

@@ -25,7 +25,7 @@ import libcst.matchers as m
 
 from fusion_patterns.base import ClassInfo, code
 
-from ..errors import CodemodError
+from ..errors import BeyondAttention, CodemodError
 from ..attention_calls import AttentionCall, interface_call
 from .inference import inference_folded
 
@@ -408,8 +408,8 @@ def _checked_call(info: ClassInfo, calls: list[AttentionCall]) -> cst.Call:
     folded_call = interface_call(folded)
     mask = _mask_name(folded_call) if folded_call is not None else None
     if mask is not None and _assigned(folded, mask):
-        raise CodemodError(
-            f"cannot generate: {info.name}.forward computes the mask it attends through "
+        raise BeyondAttention(
+            f"{info.name}.forward computes the mask it attends through "
             f"(`{mask} = ...`, a mask that depends on the data, such as a sparse top-k "
             "index), which vLLM's Attention cannot take"
         )
@@ -576,8 +576,8 @@ def _other_kwargs(calls) -> list[str]:
     for c in calls:
         data = sorted(k for k in unknown if isinstance(c.kwargs.get(k), torch.Tensor))
         if data:
-            raise CodemodError(
-                f"cannot generate: {c.path} hands its attention "
+            raise BeyondAttention(
+                f"{c.path} hands its attention "
                 + ", ".join(f"`{k}=` (a tensor)" for k in data)
                 + ", which vLLM's Attention cannot take (a sparse top-k index, say)"
             )

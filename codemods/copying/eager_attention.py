@@ -13,7 +13,6 @@ that tensor. Doubt (no candidate reproduces it) refuses the model with the reaso
 from __future__ import annotations
 
 import contextlib
-import math
 import textwrap
 from dataclasses import dataclass
 
