@@ -24,9 +24,11 @@ def model_class_name(model) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def body_bytes(model) -> int:
+def body_bytes(model, without: tuple[str, ...] = ()) -> int:
     """Bytes of this rank's parameters outside the embeddings and the head: what tensor
-    parallelism is meant to divide. Module-level, so vLLM can ship it to workers."""
+    parallelism is meant to divide (`without`: prefixes of modules a generated file does
+    not build, a tower its text model never runs). Module-level, so vLLM can ship it to
+    workers."""
     from torch import nn
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         VocabParallelEmbedding,
@@ -37,6 +39,12 @@ def body_bytes(model) -> int:
         id(p)
         for mod in model.modules()
         if isinstance(mod, (VocabParallelEmbedding, nn.Embedding)) or mod is head
+        for p in mod.parameters()
+    }
+    skip |= {
+        id(p)
+        for path, mod in model.named_modules()
+        if any((path + ".").startswith(prefix) for prefix in without)
         for p in mod.parameters()
     }
     total = 0

@@ -269,6 +269,7 @@ def _verify_generated(
                     progress,
                     f" (config {i + 1} of {len(configs)})" if len(configs) > 1 else "",
                     dtype,
+                    unbuilt_prefixes(path.read_text(encoding="utf-8")),
                 )
             )
     worst = max(runs, key=lambda r: (not r["ok_numbers"], r["max_abs_logprob_diff"]))
@@ -401,6 +402,15 @@ def _tiny(causal_cls, values, config, raw, adjusted, changed) -> TinyConfig:
     return TinyConfig(config, raw, adjusted, kinds, tiny.features_on(config), changed)
 
 
+def unbuilt_prefixes(text: str) -> tuple[str, ...]:
+    """The checkpoint prefixes a generated file's loader ignores: modules it does not
+    build (`assembly.constant_arguments`), left out of what a rank's share counts."""
+    import ast
+
+    found = re.search(r"ignore_unexpected_prefixes=(\[[^\]]*\])", text)
+    return tuple(ast.literal_eval(found.group(1))) if found else ()
+
+
 def _run_one(
     tc: TinyConfig,
     causal_cls,
@@ -415,6 +425,7 @@ def _run_one(
     progress,
     label,
     dtype="float32",
+    unbuilt: tuple[str, ...] = (),
 ) -> dict:
     """One tiny checkpoint: transformers' greedy reference against the engine's (in
     `dtype` where the file's CPU kernels take no other: see `reduced_precision`)."""
@@ -448,7 +459,7 @@ def _run_one(
         )
         tolerance = floor.tolerance
         out.update(noise_floor=floor.max, noise_mean=floor.mean, tolerance=tolerance)
-    whole = engine.body_bytes(model)
+    whole = engine.body_bytes(model, unbuilt)
     del model
     progress(f"engine{label}: real vLLM, {arch}, TP={tp} PP={pp}")
     ran = engine.run(

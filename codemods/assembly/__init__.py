@@ -17,7 +17,7 @@ from ..copying import config_branches
 from ..copying.classes import CONV1D_HELPER
 from ..copying.definitions import Definitions, closure, copied_text
 from ..plan import Plan
-from . import compile, dead_code, tied_modules, weights
+from . import compile, constant_arguments, dead_code, tied_modules, weights
 from .base_model import emit_base
 from .causal_lm import CausalRoles, Loading, emit_causal
 from .imports import imports_for
@@ -82,15 +82,29 @@ def assemble(model: Model, copied: Copied, defs: Definitions, plan: Plan) -> Ass
         pieces[type(wrapper).__name__] = WRAPPER.format(
             name=type(wrapper).__name__, attr=inner_attr, inner=inner
         )
+    # constants the copy hands its modules, folded; modules left returning an input
+    # unchanged are not built, their checkpoint tensors skipped
+    unbuilt = constant_arguments.fold(pieces, roles.base.name)
+    loading = _loading(model, plan)
+    loading.unbuilt_prefixes = tuple(
+        ".".join([*roles.chain, u.attr]) + "." for u in unbuilt
+    )
+    out.unfused += [
+        Unfused(roles.base.name, "module not built", u.describe(), kept=True)
+        for u in unbuilt
+    ]
     pieces[roles.causal.name] = emit_causal(
         _causal_roles(model, require_no_mla, pipeline=not no_pipeline),
         ctx,
         plan.packed_modules_mapping(),
-        _loading(model, plan),
+        loading,
     )
     keep = {roles.base.name, roles.causal.name} | roles.wrapper_names
     removed = dead_code.prune(pieces, roles, keep, defs.nodes)
     plan.unfused[:] = [u for u in plan.unfused if u.source_class not in removed]
+    # a fusion or refusal in a class the file no longer holds is not the file's
+    plan.records[:] = [r for r in plan.records if r.source_class not in removed]
+    plan.refusals[:] = [r for r in plan.refusals if r.source_class not in removed]
     order = list(classes)
     body = "\n\n".join(pieces[n] for n in sorted(pieces, key=order.index))
     helper = _helpers(ctx, pieces, model.claims)

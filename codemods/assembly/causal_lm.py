@@ -55,6 +55,17 @@ class Loading:
     reports_loaded: bool = False
     # vLLM interfaces the claims ask of the causal LM (`IsHybrid`)
     interfaces: tuple[str, ...] = ()
+    # checkpoint tensors of modules the file does not build (a tower a text model
+    # never runs: `constant_arguments`)
+    unbuilt_prefixes: tuple[str, ...] = ()
+
+    def loader(self) -> str:
+        skip = (
+            f", ignore_unexpected_prefixes={list(self.unbuilt_prefixes)!r}"
+            if self.unbuilt_prefixes
+            else ""
+        )
+        return f"AutoWeightsLoader(self{skip})"
 
     def body(self) -> str:
         lines = ["        loaded: set[str] = set()"] if self.reports_loaded else []
@@ -194,7 +205,7 @@ class {info.name}({", ".join(("nn.Module", *loading.interfaces, "SupportsLoRA", 
 
 {logits}
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loader = AutoWeightsLoader(self)
+        loader = {loading.loader()}
 {loading.body()}
 {loading.methods}"""
 

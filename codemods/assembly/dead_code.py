@@ -214,9 +214,9 @@ class _DropConstructions(cst.CSTTransformer):
     def __init__(self, attrs: set[str]):
         self.attrs = attrs
 
-    def leave_SimpleStatementLine(self, original, updated):
-        if m.matches(
-            updated,
+    def builds(self, stmt) -> bool:
+        return m.matches(
+            stmt,
             m.SimpleStatementLine(
                 [
                     m.Assign(
@@ -233,6 +233,7 @@ class _DropConstructions(cst.CSTTransformer):
                     )
                 ]
             ),
-        ):
-            return cst.RemoveFromParent()
-        return updated
+        )
+
+    def leave_SimpleStatementLine(self, original, updated):
+        return cst.RemoveFromParent() if self.builds(updated) else updated
