@@ -178,15 +178,13 @@ def reachable_kinds(
         id(s): all(site_fields(s, classes)) for found in sites.values() for s in found
     }
     reached = {root}
+    # what the constructions inside `reached` pass (it reads the set as it grows)
+    fixed = FixedArguments(classes, reached)
 
     def taken(s: Site) -> bool:
         # a guard the constructions from what is reached decide against (Moshi's
         # depth-decoder linears, on the side its text model never passes)
-        return (
-            s.owner in reached
-            and is_open[id(s)]
-            and not FixedArguments(classes, reached).never_taken(s)
-        )
+        return s.owner in reached and is_open[id(s)] and not fixed.never_taken(s)
 
     changed = True
     while changed:

@@ -22,6 +22,7 @@ import libcst.matchers as m
 from fusion_patterns.base import ClassInfo, dotted_name
 
 from .branches import _params
+from .branches import _passed as passed_for
 
 _CONSTANTS = {"True": True, "False": False, "None": None}
 _COMPARE = {
@@ -35,14 +36,10 @@ _COMPARE = {
 def _passed(call: cst.Call, params: list[str], name: str):
     """What `call` passes for `name` (None: nothing; `...`: unknown, through `*args` /
     `**kwargs`)."""
-    for arg in call.args:
-        if arg.keyword is not None and arg.keyword.value == name:
-            return arg.value
-    if any(a.star for a in call.args):
+    named = any(a.keyword is not None and a.keyword.value == name for a in call.args)
+    if not named and any(a.star for a in call.args):
         return ...  # unknown: `*args` / `**kwargs` may carry it
-    positional = [a.value for a in call.args if a.keyword is None]
-    index = params.index(name) if name in params else -1
-    return positional[index] if 0 <= index < len(positional) else None
+    return passed_for(call, params, name)
 
 
 class FixedArguments:

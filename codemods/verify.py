@@ -239,10 +239,10 @@ def _verify_generated(
         for note in result["adjusted"]:
             progress.note(note)
     expected_module = f"generated.{path.stem}"
+    text = path.read_text(encoding="utf-8")
     # vLLM's chunked local attention needs its chunk to be whole KV-cache blocks
-    block_size = (
-        32 if "ChunkedLocalAttention(" in path.read_text(encoding="utf-8") else None
-    )
+    block_size = 32 if "ChunkedLocalAttention(" in text else None
+    unbuilt = unbuilt_prefixes(text)
     runs = []
     with tempfile.TemporaryDirectory(prefix=f"verify-{path.stem}-") as tmp:
         if path.resolve().parent != GENERATED:
@@ -269,7 +269,7 @@ def _verify_generated(
                     progress,
                     f" (config {i + 1} of {len(configs)})" if len(configs) > 1 else "",
                     dtype,
-                    unbuilt_prefixes(path.read_text(encoding="utf-8")),
+                    unbuilt,
                 )
             )
     worst = max(runs, key=lambda r: (not r["ok_numbers"], r["max_abs_logprob_diff"]))

@@ -22,7 +22,8 @@ import libcst.matchers as m
 from fusion_patterns.base import ClassInfo, code
 
 from ..copying.inference import is_docstring
-from ..copying.simplify import _const, _UNKNOWN, simplify_function
+from ..branches import _passed as passed_for
+from ..copying.simplify import is_constant, simplify_function
 from .dead_code import _DropConstructions, _local_stores
 from .pure_calls import PureCalls
 from .unread_arguments import class_info
@@ -169,14 +170,9 @@ def _passed(call: cst.Call, params: list[str]) -> dict[str, cst.BaseExpression] 
     """{parameter: what `call` passes for it}, or None through `*args` / `**kwargs`."""
     if any(a.star for a in call.args):
         return None
-    out = {}
-    positional = [a.value for a in call.args if a.keyword is None]
-    for p, value in zip(params, positional):
-        out[p] = value
-    for a in call.args:
-        if a.keyword is not None:
-            out[a.keyword.value] = a.value
-    return out
+    return {
+        p: value for p in params if (value := passed_for(call, params, p)) is not None
+    }
 
 
 def _constants(forward: cst.FunctionDef | None, calls: list[cst.Call]) -> dict:
@@ -192,7 +188,7 @@ def _constants(forward: cst.FunctionDef | None, calls: list[cst.Call]) -> dict:
         values = {code(d[p]) if p in d else None for d in passed}
         if len(values) != 1 or None in values:
             continue
-        if _const(passed[0][p]) is _UNKNOWN:
+        if not is_constant(passed[0][p]):
             continue
         out[p] = values.pop()
     return out
