@@ -4,6 +4,7 @@ it and what it returned). Read by the probe, the roles and the copied attention.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import libcst as cst
@@ -22,6 +23,7 @@ class AttentionCall:
     output: object
 
 
+@functools.lru_cache(maxsize=256)  # nodes hash by identity; asked often per forward
 def interface_name(forward: cst.FunctionDef) -> str | None:
     """The local name an attention interface is called through: `X(self, q, k, v, ...)`
     where X is assigned from an `ALL_ATTENTION_FUNCTIONS` lookup or an eager function.

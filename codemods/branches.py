@@ -12,6 +12,7 @@ per-layer switch), and `apply` refuses a source with a kind no tiny config build
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -135,17 +136,24 @@ def caller_arguments(
     a guard on a parameter (`layer_type == "full_attention"`, with the caller passing
     `layer_type=config.layers_block_type[i]`) reads the config field behind it."""
     params = _params(classes[owner])
+    inits = tuple(info.init for info in classes.values() if info.init is not None)
     out: dict[str, list[cst.BaseExpression]] = {}
-    for info in classes.values():
-        if info.init is None:
-            continue
-        for call in m.findall(info.init, m.Call()):
-            if dotted_name(call.func) != owner:
-                continue
-            for p in params:
-                value = _passed(call, params, p)
-                if value is not None:
-                    out.setdefault(p, []).append(value)
+    for call in _calls_by_callee(inits).get(owner, []):
+        for p in params:
+            value = _passed(call, params, p)
+            if value is not None:
+                out.setdefault(p, []).append(value)
+    return out
+
+
+@functools.lru_cache(maxsize=8)  # nodes hash by identity: one scan per set of classes
+def _calls_by_callee(
+    inits: tuple[cst.FunctionDef, ...],
+) -> dict[str, list[cst.Call]]:
+    out: dict[str, list[cst.Call]] = {}
+    for init in inits:
+        for call in m.findall(init, m.Call()):
+            out.setdefault(dotted_name(call.func), []).append(call)
     return out
 
 

@@ -59,6 +59,8 @@ class Model:
     branch_reads: dict = field(default_factory=dict)
     claims: list[Claim] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)
+    # class -> (its info, whether it looks like a norm): the patterns ask again and again
+    _norm_like: dict = field(default_factory=dict, repr=False)
 
     @property
     def classes(self) -> dict[str, ClassInfo]:
@@ -165,7 +167,13 @@ class Model:
     def norm_classes(self) -> dict:
         """Every class that computes a norm, proven or not -> its spec (None for a norm
         kept as the source has it)."""
-        like = {n for n, info in self.classes.items() if norm_match(info) is not None}
+        like = set()
+        for name, info in self.classes.items():
+            seen = self._norm_like.get(name)
+            if seen is None or seen[0] is not info:
+                seen = self._norm_like[name] = (info, norm_match(info) is not None)
+            if seen[1]:
+                like.add(name)
         return {**{n: None for n in like | TORCH_NORMS}, **self.norm_specs()}
 
     def sublayer_candidates(self) -> list[str]:

@@ -81,6 +81,52 @@ def _apply(path, tmp_path):
     )
 
 
+def test_the_proof_routes_with_vllm_s_function_uncompiled():
+    """The proof runs vLLM's `grouped_topk` (a torch.compile'd function) eagerly: no
+    graph is compiled (compiling cost each MoE file seconds per routing flag set), and
+    the routing is softmax top-k, renormalised, as the function computes it."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from fusion_patterns.moe.proof import fused_reference
+
+    torch.manual_seed(0)
+    x, logits = torch.randn(5, 8), torch.randn(5, 4)
+    gate_up, down = torch.randn(4, 6, 8), torch.randn(4, 8, 3)
+
+    def act_and_mul(h):
+        return torch.nn.functional.silu(h[..., :3]) * h[..., 3:]
+
+    before = counters["stats"]["unique_graphs"]
+    out = fused_reference(
+        x,
+        logits,
+        gate_up,
+        down,
+        act_and_mul,
+        {
+            "topk": 2,
+            "renormalize": True,
+            "scoring_func": "softmax",
+            "num_expert_group": 1,
+            "topk_group": 1,
+        },
+    )
+    assert counters["stats"]["unique_graphs"] == before
+    weights, chosen = torch.softmax(logits, -1).topk(2, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    expected = torch.stack(
+        [
+            sum(
+                w * (act_and_mul(x[t] @ gate_up[e].T) @ down[e].T)
+                for w, e in zip(weights[t], chosen[t])
+            )
+            for t in range(5)
+        ]
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "old,new,reason",
     [

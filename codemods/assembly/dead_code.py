@@ -46,6 +46,11 @@ def prune(pieces: dict[str, str], roles, keep: set[str], functions: dict) -> set
             _PruneBase(unused or set(), stateless, functions)
         )
     )
+    # a piece no other piece names goes, until none does (each piece parsed once)
+    names = {
+        k: {n.value for n in m.findall(cst.parse_module(t), m.Name())}
+        for k, t in pieces.items()
+    }
     removed: set[str] = set()
     changed = True
     while changed:
@@ -53,9 +58,8 @@ def prune(pieces: dict[str, str], roles, keep: set[str], functions: dict) -> set
         for n in list(pieces):
             if n in keep:
                 continue
-            others = "\n".join(t for k, t in pieces.items() if k != n)
-            if not m.findall(cst.parse_module(others), m.Name(n)):
-                del pieces[n]
+            if not any(n in found for k, found in names.items() if k != n):
+                del pieces[n], names[n]
                 removed.add(n)
                 changed = True
     return removed

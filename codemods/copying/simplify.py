@@ -240,28 +240,46 @@ class Fold(cst.CSTTransformer):
 
 def loads(node: cst.CSTNode) -> list[str]:
     """Names read in `node` (an augmented assignment's target is read too)."""
-    skip = not_loads(node)
-    aug = {id(a.target) for a in m.findall(node, m.AugAssign())}
+    roles = _name_roles(node)
     return [
-        n.value for n in m.findall(node, m.Name()) if id(n) not in skip or id(n) in aug
+        n.value
+        for n in roles.names
+        if id(n) not in roles.not_loads or id(n) in roles.augmented
     ]
 
 
 def stores(node: cst.CSTNode) -> set[str]:
     """Names bound in `node` (assignment, augmented assignment and loop targets)."""
-    out: set[str] = set()
-    for assign in m.findall(node, m.Assign() | m.AugAssign() | m.AnnAssign()):
-        for t in getattr(assign, "targets", None) or [cst.AssignTarget(assign.target)]:
-            target = t.target
-            if isinstance(target, cst.Name):
-                out.add(target.value)
-            elif isinstance(target, (cst.Tuple, cst.List)):
-                out |= {n.value for n in m.findall(target, m.Name())} - {
-                    a.attr.value for a in m.findall(target, m.Attribute())
-                }
-    for loop in m.findall(node, m.For() | m.CompFor()):
-        out |= {n.value for n in m.findall(loop.target, m.Name())}
-    return out
+    found = _Stores()
+    node.visit(found)
+    return found.names
+
+
+class _Stores(cst.CSTVisitor):
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        for t in node.targets:
+            self._target(t.target)
+
+    def _single_target(self, node) -> None:
+        self._target(node.target)
+
+    visit_AugAssign = visit_AnnAssign = _single_target
+
+    def _target(self, target: cst.BaseExpression) -> None:
+        if isinstance(target, cst.Name):
+            self.names.add(target.value)
+        elif isinstance(target, (cst.Tuple, cst.List)):
+            self.names |= {n.value for n in m.findall(target, m.Name())} - {
+                a.attr.value for a in m.findall(target, m.Attribute())
+            }
+
+    def _loop_target(self, node) -> None:
+        self.names |= {n.value for n in m.findall(node.target, m.Name())}
+
+    visit_For = visit_CompFor = _loop_target
 
 
 _PURE = (
@@ -360,21 +378,38 @@ class Substitute(cst.CSTTransformer):
         return self.values.get(original.value, updated)
 
 
-def not_loads(root: cst.CSTNode) -> set[int]:
-    """ids of the Name nodes under `root` that are not reads: keywords, attribute
-    names, parameters, definitions, assignment and loop targets."""
-    out: set[int] = set()
-    for node in m.findall(root, m.Arg()):
+class _NameRoles(cst.CSTVisitor):
+    """One walk of a tree: every Name in order, the ids of those that are not reads
+    (keywords, attribute names, parameters, definitions, assignment and loop targets,
+    imports) and of augmented-assignment targets (read and written)."""
+
+    def __init__(self) -> None:
+        self.names: list[cst.Name] = []
+        self.not_loads: set[int] = set()
+        self.augmented: set[int] = set()
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.names.append(node)
+
+    def visit_Arg(self, node: cst.Arg) -> None:
         if node.keyword is not None:
-            out.add(id(node.keyword))
-    for node in m.findall(root, m.Attribute()):
-        out.add(id(node.attr))
-    for node in m.findall(root, m.Param()):
-        out.add(id(node.name))
-    for node in m.findall(root, m.FunctionDef() | m.ClassDef()):
-        out.add(id(node.name))
-    for node in m.findall(root, m.AssignTarget()):
-        out |= (
+            self.not_loads.add(id(node.keyword))
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        self.not_loads.add(id(node.attr))
+
+    def visit_Param(self, node: cst.Param) -> None:
+        self.not_loads.add(id(node.name))
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.not_loads.add(id(node.name))
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.not_loads.add(id(node.name))
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        # `self.x = ...` reads self, `x[i] = ...` reads x and i
+        self.not_loads |= (
             {id(n) for n in m.findall(node.target, m.Name())}
             - {id(a.value) for a in m.findall(node.target, m.Attribute())}
             - {
@@ -383,14 +418,36 @@ def not_loads(root: cst.CSTNode) -> set[int]:
                 for n in m.findall(s, m.Name())
             }
         )
-    for node in m.findall(root, m.AnnAssign() | m.AugAssign() | m.NamedExpr()):
+
+    def _named_target(self, node) -> None:
         if isinstance(node.target, cst.Name):
-            out.add(id(node.target))
-    for node in m.findall(root, m.For() | m.CompFor()):
-        out |= {id(n) for n in m.findall(node.target, m.Name())}
-    for node in m.findall(root, m.ImportAlias()):
-        out |= {id(n) for n in m.findall(node, m.Name())}
-    return out
+            self.not_loads.add(id(node.target))
+
+    visit_AnnAssign = visit_NamedExpr = _named_target
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self._named_target(node)
+        self.augmented.add(id(node.target))
+
+    def _loop_target(self, node) -> None:
+        self.not_loads |= {id(n) for n in m.findall(node.target, m.Name())}
+
+    visit_For = visit_CompFor = _loop_target
+
+    def visit_ImportAlias(self, node: cst.ImportAlias) -> None:
+        self.not_loads |= {id(n) for n in m.findall(node, m.Name())}
+
+
+def _name_roles(root: cst.CSTNode) -> _NameRoles:
+    roles = _NameRoles()
+    root.visit(roles)
+    return roles
+
+
+def not_loads(root: cst.CSTNode) -> set[int]:
+    """ids of the Name nodes under `root` that are not reads: keywords, attribute
+    names, parameters, definitions, assignment and loop targets."""
+    return _name_roles(root).not_loads
 
 
 def simplify_function(

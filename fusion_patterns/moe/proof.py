@@ -29,7 +29,12 @@ def fused_reference(x, logits, gate_up, down, act_and_mul, routing: dict):
         grouped_topk,
     )
 
-    weights, chosen = grouped_topk(x, logits.float(), **routing)
+    import torch
+
+    # eagerly: vLLM compiles this function, and compiling it (once per routing flag
+    # set, up to dynamo's recompile limit) costs a proof seconds for the same numbers
+    with torch.compiler.set_stance("force_eager"):
+        weights, chosen = grouped_topk(x, logits.float(), **routing)
     return experts_reference(x, chosen, weights, gate_up, down, act_and_mul)
 
 
