@@ -24,6 +24,11 @@ def model_class_name(model) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+# vLLM's MLA layer re-lays its kv_b_proj's weight after loading as these parameters
+# (per rank, as kv_b_proj is): a second copy of a checkpoint tensor, not more of the model
+MLA_DERIVED = ("W_UV", "W_UK_T")
+
+
 def body_bytes(model, without: tuple[str, ...] = ()) -> int:
     """Bytes of this rank's parameters outside the embeddings and the head: what tensor
     parallelism is meant to divide (`without`: prefixes of modules a generated file does
@@ -47,10 +52,14 @@ def body_bytes(model, without: tuple[str, ...] = ()) -> int:
         if any((path + ".").startswith(prefix) for prefix in without)
         for p in mod.parameters()
     }
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
     total = 0
     for mod in model.modules():
         for name, p in mod.named_parameters(recurse=False):
             if id(p) in skip:
+                continue
+            if isinstance(mod, MLAAttention) and name in MLA_DERIVED:
                 continue
             skip.add(id(p))  # a tied parameter (Zamba 2's shared blocks) counts once
             count = p.numel()

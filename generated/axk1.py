@@ -289,25 +289,24 @@ class AXK1Attention(nn.Module):
         self.scaling = yarn_apply_mscale(
             config.rope_parameters, self.qk_head_dim ** (-0.5)
         )
-        if True:
-            # Fused: q_a_proj + kv_a_proj_with_mqa -> fused_qkv_a_proj (one replicated GEMM)
-            self.fused_qkv_a_proj = MergedColumnParallelLinear(
-                self.hidden_size,
-                [self.q_lora_rank, config.kv_lora_rank + config.qk_rope_head_dim],
-                bias=config.attention_bias,
-                disable_tp=True,
-                quant_config=quant_config,
-                prefix=f"{prefix}.fused_qkv_a_proj",
-            )
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=1e-6)
-            self.q_b_proj = ColumnParallelLinear(
-                self.q_lora_rank,
-                self.num_heads * self.qk_head_dim,
-                bias=False,
-                quant_config=quant_config,
-                prefix=f"{prefix}.q_b_proj",
-            )
-            self.kv_a_proj_with_mqa = None
+        # Fused: q_a_proj + kv_a_proj_with_mqa -> fused_qkv_a_proj (one replicated GEMM)
+        self.fused_qkv_a_proj = MergedColumnParallelLinear(
+            self.hidden_size,
+            [self.q_lora_rank, config.kv_lora_rank + config.qk_rope_head_dim],
+            bias=config.attention_bias,
+            disable_tp=True,
+            quant_config=quant_config,
+            prefix=f"{prefix}.fused_qkv_a_proj",
+        )
+        self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=1e-6)
+        self.q_b_proj = ColumnParallelLinear(
+            self.q_lora_rank,
+            self.num_heads * self.qk_head_dim,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.q_b_proj",
+        )
+        self.kv_a_proj_with_mqa = None
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=1e-6)
         self.kv_b_proj = ColumnParallelLinear(
             config.kv_lora_rank,
@@ -347,7 +346,7 @@ class AXK1Attention(nn.Module):
             self.qk_nope_head_dim,
             self.qk_rope_head_dim,
             self.v_head_dim,
-            self.q_lora_rank if True else None,
+            self.q_lora_rank,
             self.kv_lora_rank,
             MLAModules(
                 kv_a_layernorm=self.kv_a_layernorm,

@@ -6,7 +6,6 @@
 # source sha256: 2894798e2c6233e95edc411682b35a1cd5a20ae395b5138643d23f02dba8f37f
 # versions:      transformers 5.19.0, vllm 0.32.0, vllm-fusion-codemods 0.1.0
 # architecture:  GeneratedLongcatFlashForCausalLM -> LongcatFlashForCausalLM
-# environment:   VLLM_MLA_DISABLE=1 (vLLM must run it so; the model refuses to start otherwise)
 # ======================================================================================
 # Fusion report:
 #   Fused: norm (LongcatFlashModel) -> norm (RMSNorm)
@@ -14,32 +13,28 @@
 #   Fused: kv_a_layernorm (LongcatFlashMLA) -> kv_a_layernorm (RMSNorm)
 #   Fused: gate_proj + up_proj (LongcatFlashMLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlps.0)
 #   Fused: gate_proj + up_proj (LongcatFlashMLP) -> gate_up_proj (MergedColumnParallelLinear, in self.mlps.1)
+#   Fused: q_a_proj + kv_a_proj_with_mqa (LongcatFlashMLA) -> fused_qkv_a_proj (MergedColumnParallelLinear, in self.self_attn.0)
+#   Fused: kv_a_proj_with_mqa + kv_a_layernorm + kv_b_proj + rope + attention (LongcatFlashMLA) -> mla_attn (MultiHeadLatentAttentionWrapper, latent KV cache, in self.self_attn.0)
+#   Fused: q_a_proj + kv_a_proj_with_mqa (LongcatFlashMLA) -> fused_qkv_a_proj (MergedColumnParallelLinear, in self.self_attn.1)
+#   Fused: kv_a_proj_with_mqa + kv_a_layernorm + kv_b_proj + rope + attention (LongcatFlashMLA) -> mla_attn (MultiHeadLatentAttentionWrapper, latent KV cache, in self.self_attn.1)
 #   Fused: ACT2FN[config.hidden_act] (LongcatFlashExperts) -> act_fn (act_fn(config.hidden_act), vLLM's op for the 14 names one computes)
-#   Fused: q_a_proj + kv_a_proj_with_mqa (LongcatFlashMLA) -> q_a_proj_kv_a_proj_with_mqa_merged (MergedColumnParallelLinear, whole on every rank, in self.self_attn.0)
-#   Fused: q_a_proj + kv_a_proj_with_mqa (LongcatFlashMLA) -> q_a_proj_kv_a_proj_with_mqa_merged (MergedColumnParallelLinear, whole on every rank, in self.self_attn.1)
-#   Unfused: module (LongcatFlashRotaryEmbedding): copied from the source
 #   Unfused: decoder layer (LongcatFlashDecoderLayer): its forward as the source writes it (residual adds, norms, sublayer calls)
-#   Unfused: attention (LongcatFlashMLA): kept as the source computes it; attention interface -> vLLM Attention (scale=self.scaling)
+#   Kept: tensor parallel (LongcatFlashMLA): fused_qkv_a_proj whole on every rank: the latent's down-projections, as vLLM's own deepseek_v2.py holds them (each rank's heads read the whole latent and its rope key)
 #   Unfused: module (LongcatFlashMoE): copied from the source (no router class matched)
 #   Unfused: module (LongcatFlashTopkRouter): copied from the source
 #   Unfused: module (LongcatFlashExperts): copied from the source (proof failed to run: IndexError: index 7 is out of bounds for dimension 0 with size 4)
 #   Unfused: tensor parallel (LongcatFlashExperts): replicated on every rank: gate_up_proj, down_proj (stacked parameters of a copied class, not vLLM layers: every rank holds them whole)
-#   Unfused: latent attention (LongcatFlashForCausalLM): its attention is emitted from the source on vLLM's standard attention (expanded keys and values), so vLLM's MLA path must be off: VLLM_MLA_DISABLE=1
 #   Unfused: torch.compile (LongcatFlashModel): off: LongcatFlashExperts has a data-dependent shape (.nonzero()), which one captured graph cannot hold; the model runs eagerly
 #   Unfused: Python loop (LongcatFlashExperts): `for ... in expert_hit`: one step per value the batch produces (the experts it hits), each its own small matmul
 #   Unfused: tensor parallel (LongcatFlashTopkRouter): 1 torch nn.Linear kept as the source builds it: whole on every rank, outside vLLM's quantization and LoRA
 #   Refused: router + experts (LongcatFlashMoE): no router class matched
 #   Refused: experts (the source's router) (LongcatFlashExperts): proof failed to run: IndexError: index 7 is out of bounds for dimension 0 with size 4
-#   Refused: latent attention (LongcatFlashMLA): LongcatFlashMLA as latent attention: the fused form differs (max rel err 2.6e-01 > 1e-05)
-#   Refused: q/k/v projections (LongcatFlashMLA): `.cat(...)` between a projection and attention
-#   Refused: rotary embedding (LongcatFlashMLA): vLLM's rope computes something else (no head size, rotated dims, pair style and config rope parameters give the source's numbers)
 #   Refused: residual add + norm (LongcatFlashDecoderLayer): `hidden_states = self.input_layernorm[0](hidden_states)` is not a norm of the saved stream
 # ======================================================================================
 """Native vLLM implementation of LongcatFlashForCausalLM, generated from transformers/models/longcat_flash/modeling_longcat_flash.py."""
 
 import re
 from collections.abc import Iterable
-from copy import copy as shallow_copy
 from itertools import islice
 
 import torch
@@ -50,7 +45,6 @@ from transformers.activations import ACT2FN
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import get_act_and_mul_fn, get_act_fn
-from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -58,7 +52,10 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mla import MLAModules, MultiHeadLatentAttentionWrapper
 from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -79,27 +76,8 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from collections.abc import Callable
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.modeling_rope_utils import dynamic_rope_update
 import math
 import torch.nn.functional as F
-
-
-def vllm_attention(
-    attn: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-) -> torch.Tensor:
-    """transformers' attention-interface layout around vLLM's paged attention:
-    [1, heads, tokens, head size] in, [1, tokens, heads, head size] out (vLLM takes and
-    returns [tokens, heads * head size])."""
-    tokens, size_v = query.shape[2], value.shape[-1]
-    if (
-        size_v < query.shape[-1]
-    ):  # a smaller value head: padded, as vLLM stores one size
-        value = nn.functional.pad(value, (0, query.shape[-1] - size_v))
-    out = attn(*(t.transpose(1, 2).reshape(tokens, -1) for t in (query, key, value)))
-    return out.view(1, tokens, -1, query.shape[-1])[..., :size_v]
-
 
 # transformers' activation names -> the vLLM activation computing the same function
 # (within fp32 rounding on inputs from -30 to 30, proven when this file was generated)
@@ -126,58 +104,6 @@ def act_fn(name) -> nn.Module:
     if isinstance(name, str) and name in VLLM_ACTIVATIONS:
         return get_act_fn(VLLM_ACTIVATIONS[name])
     return ACT2FN[name]
-
-
-class LongcatFlashRotaryEmbedding(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.max_seq_len_cached = config.max_position_embeddings
-        self.original_max_seq_len = config.max_position_embeddings
-
-        self.config = config
-
-        self.rope_type = self.config.rope_parameters["rope_type"]
-        rope_init_fn: Callable = self.compute_default_rope_parameters
-        if self.rope_type != "default":
-            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = rope_init_fn(self.config)
-
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
-
-    @staticmethod
-    def compute_default_rope_parameters(config, **kwargs) -> tuple[torch.Tensor, float]:
-        """
-        Computes the inverse frequencies according to the original RoPE implementation
-        Args:
-            config ([`~transformers.PreTrainedConfig`]):
-                The model configuration.
-        Returns:
-            Tuple of (`torch.Tensor`, `float`), containing the inverse frequencies for the RoPE embeddings and the
-            post-processing scaling factor applied to the computed cos/sin (unused in this type of RoPE).
-        """
-        base = config.rope_parameters["rope_theta"]
-        dim = (
-            getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads
-        )
-
-        attention_factor = 1.0  # Unused in this type of RoPE
-        # Compute the inverse frequencies
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq, attention_factor
-
-    @torch.no_grad()
-    @dynamic_rope_update  # power user: used with advanced RoPE types (e.g. dynamic rope)
-    def forward(self, x, position_ids):
-        freqs = position_ids[..., None].float() * self.inv_freq.to(
-            device=x.device, dtype=torch.float
-        )
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 class LongcatFlashMLP(nn.Module):
@@ -365,62 +291,40 @@ def yarn_apply_mscale(rope_parameters, scaling):
     return scaling
 
 
-def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-    r"""
-    Applies interleaved Rotary Position Embedding to the query and key tensors.
+class _FlatRope(nn.Module):
+    """Applies `rope` to [tokens, heads * dim] views of q and k, then restores their shapes."""
 
-    DeepSeek lays the rotary dimensions out in interleaved pairs `(x0, x1), (x2, x3), ...`, each rotated by a
-    single frequency. We compute that rotation directly on the even/odd slices instead of de-interleaving with a
-    `view`/`transpose`/`reshape`; the output is bit-identical to the de-interleaved `rotate_half` formulation while
-    avoiding the extra contiguous copy.
+    def __init__(self, rope: nn.Module) -> None:
+        super().__init__()
+        self.rope = rope
 
-    Args:
-        q (`torch.Tensor`): The query tensor.
-        k (`torch.Tensor`): The key tensor.
-        cos (`torch.Tensor`): The cosine part of the rotary embedding.
-        sin (`torch.Tensor`): The sine part of the rotary embedding.
-        position_ids (`torch.Tensor`):
-            The position indices of the tokens corresponding to the query and key tensors. For example, this can be
-            used to pass offsetted position ids when working with a KV-cache.
-        unsqueeze_dim (`int`, *optional*, defaults to 1):
-            The 'unsqueeze_dim' argument specifies the dimension along which to unsqueeze cos[position_ids] and
-            sin[position_ids] so that they can be properly broadcasted to the dimensions of q and k. For example, note
-            that cos[position_ids] and sin[position_ids] have the shape [batch_size, seq_len, head_dim]. Then, if q and
-            k have the shape [batch_size, heads, seq_len, head_dim], then setting unsqueeze_dim=1 makes
-            cos[position_ids] and sin[position_ids] broadcastable to the shapes of q and k. Similarly, if q and k have
-            the shape [batch_size, seq_len, heads, head_dim], then set unsqueeze_dim=2.
-    Returns:
-        `tuple(torch.Tensor)` comprising of the query and key tensors rotated using the Rotary Position Embedding.
-    """
-    # `cos`/`sin` are `cat(freqs, freqs)`; the first half holds the per-pair angle.
-    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim)
-    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    def forward(self, positions, q, k):
+        q_out, k_out = self.rope(
+            positions, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1)
+        )
+        return q_out.view(q.shape), k_out.view(k.shape)
 
-    q1, q2 = q[..., 0::2], q[..., 1::2]
-    k1, k2 = k[..., 0::2], k[..., 1::2]
 
-    q_embed = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
-    k_embed = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
-    return q_embed, k_embed
+def _load_scaled(norm: nn.Module, scale: float) -> None:
+    """`norm`'s output is multiplied by the constant `scale`: its weight loads scaled."""
+    base = getattr(norm.weight, "weight_loader", default_weight_loader)
+    norm.weight.weight_loader = lambda param, loaded: base(param, loaded * scale)
 
 
 class LongcatFlashMLA(nn.Module):
-    """MLA from Deepseek V3 with a Q-LoRA rank and LoRA scaling."""
-
     def __init__(
         self,
         config,
-        layer_idx: int,
+        layer_idx,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
-    ):
+    ) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.attention_dropout = config.attention_dropout
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
-
         self.q_lora_rank = config.q_lora_rank
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.kv_lora_rank = config.kv_lora_rank
@@ -432,158 +336,101 @@ class LongcatFlashMLA(nn.Module):
         self.num_key_value_groups = (
             config.num_attention_heads // config.num_key_value_heads
         )
-
         self.is_causal = True
-        self.q_a_proj_kv_a_proj_with_mqa_merged = MergedColumnParallelLinear(
+        self.scaling = yarn_apply_mscale(
+            config.rope_parameters, self.qk_head_dim ** (-0.5)
+        )
+        self.mla_scale_q_lora = (config.hidden_size / self.q_lora_rank) ** 0.5
+        self.mla_scale_kv_lora = (config.hidden_size / self.kv_lora_rank) ** 0.5
+        # Fused: q_a_proj + kv_a_proj_with_mqa -> fused_qkv_a_proj (one replicated GEMM)
+        self.fused_qkv_a_proj = MergedColumnParallelLinear(
             self.hidden_size,
             [self.q_lora_rank, config.kv_lora_rank + config.qk_rope_head_dim],
             bias=config.attention_bias,
             disable_tp=True,
             quant_config=quant_config,
-            prefix=f"{prefix}.q_a_proj_kv_a_proj_with_mqa_merged",
-            return_bias=False,
+            prefix=f"{prefix}.fused_qkv_a_proj",
         )
         self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=1e-6)
+        # the source multiplies this norm's output by self.mla_scale_q_lora: its weight loads scaled
+        _load_scaled(self.q_a_layernorm, self.mla_scale_q_lora)
         self.q_b_proj = ColumnParallelLinear(
             self.q_lora_rank,
             self.num_heads * self.qk_head_dim,
             bias=False,
             quant_config=quant_config,
             prefix=f"{prefix}.q_b_proj",
-            return_bias=False,
         )
+        self.kv_a_proj_with_mqa = None
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=1e-6)
+        # the source multiplies this norm's output by self.mla_scale_kv_lora: its weight loads scaled
+        _load_scaled(self.kv_a_layernorm, self.mla_scale_kv_lora)
         self.kv_b_proj = ColumnParallelLinear(
             config.kv_lora_rank,
             self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
             bias=False,
             quant_config=quant_config,
             prefix=f"{prefix}.kv_b_proj",
-            return_bias=False,
         )
-
         self.o_proj = RowParallelLinear(
             self.num_heads * self.v_head_dim,
             self.hidden_size,
             bias=config.attention_bias,
             quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
-            return_bias=False,
         )
-
-        self.scaling = yarn_apply_mscale(
-            config.rope_parameters, self.qk_head_dim ** (-0.5)
-        )
-        self.mla_scale_q_lora = (config.hidden_size / self.q_lora_rank) ** 0.5
-        self.mla_scale_kv_lora = (config.hidden_size / self.kv_lora_rank) ** 0.5
-        # tensor parallel: q/k/v are column-parallel, so this rank holds its share
-        # of the heads (the source's reshapes count heads per rank)
-        tp_size = get_tensor_model_parallel_world_size()
-        assert (
-            config.num_key_value_heads
-        ) % tp_size == 0, "the kv heads must divide over the tensor-parallel ranks"
-        self.num_heads = self.num_heads // tp_size
-        # vLLM's paged attention serves this module's attention-interface call
-        cache_config = get_current_vllm_config().cache_config
-        sliding_window = None
-        if (
-            sliding_window is None
-            and cache_config is not None
-            and cache_config.sliding_window
+        rope_parameters = dict(config.rope_parameters)
+        rope_type = rope_parameters.get("rope_type", "default")
+        if rope_type not in (
+            "default",
+            "yarn",
         ):
-            # the source attends fully here: keep vLLM from applying the model-level window
-            cache_config = shallow_copy(cache_config)
-            cache_config.sliding_window = None
-        self.attn = Attention(
-            self.num_heads,
-            self.qk_head_dim,
+            raise ValueError(
+                f"LongcatFlashMLA: rope type {rope_type!r} for latent attention is not generated yet (proven: 'default', 'yarn')"
+            )
+        self.rotary_emb = _FlatRope(
+            get_rope(
+                self.qk_rope_head_dim,
+                max_position=config.max_position_embeddings,
+                rope_parameters=rope_parameters,
+                is_neox_style=False,
+            )
+        )
+        self.mla_attn = MultiHeadLatentAttentionWrapper(
+            self.hidden_size,
+            self.num_heads // get_tensor_model_parallel_world_size(),
             self.scaling,
-            num_kv_heads=config.num_key_value_heads // tp_size,
-            cache_config=cache_config,
-            quant_config=quant_config,
-            per_layer_sliding_window=sliding_window,
-            prefix=f"{prefix}.attn",
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+            self.q_lora_rank,
+            self.kv_lora_rank,
+            MLAModules(
+                kv_a_layernorm=self.kv_a_layernorm,
+                kv_b_proj=self.kv_b_proj,
+                rotary_emb=self.rotary_emb,
+                o_proj=self.o_proj,
+                fused_qkv_a_proj=self.fused_qkv_a_proj,
+                kv_a_proj_with_mqa=self.kv_a_proj_with_mqa,
+                q_a_layernorm=self.q_a_layernorm,
+                q_b_proj=self.q_b_proj,
+                q_proj=None,
+                indexer=None,
+                is_sparse=False,
+                topk_indices_buffer=None,
+            ),
+            get_current_vllm_config().cache_config,
+            quant_config,
+            prefix,
         )
-
-    def expand_kv(
-        self, kv_nope: torch.Tensor, k_rot: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expands the compressed latents into key and value states. Args:
-            - kv_nope: key + value without positional encoding, shape [batch_size, 1, seqlen, self.kv_lora_rank]
-            - k_rot: shared key with positional encoding, shape [batch_size, 1, seqlen, self.qk_rope_head_dim]
-        Returns the key and value states, two tensors of shape [batch, num_heads, seq, (k or v)_head_dim].
-        """
-        batch_size, _, seq_length, _ = kv_nope.shape
-        key_shape = (
-            batch_size,
-            seq_length,
-            -1,
-            self.qk_nope_head_dim + self.v_head_dim,
-        )
-
-        kv_nope = self.kv_b_proj(kv_nope).view(key_shape).transpose(1, 2)
-        k_nope, value_states = torch.split(
-            kv_nope, [self.qk_nope_head_dim, self.v_head_dim], dim=-1
-        )
-        k_rot = k_rot.expand(
-            -1, k_nope.shape[1], -1, -1
-        )  # does not affect the underlying storage
-
-        # Concatenate k_nope and k_rot in a new tensor
-        key_states = kv_nope.new_empty(
-            *kv_nope.shape[:-1], self.qk_nope_head_dim + self.qk_rope_head_dim
-        )
-        key_states[..., : self.qk_nope_head_dim].copy_(k_nope)
-        key_states[..., self.qk_nope_head_dim :].copy_(k_rot)
-        return key_states, value_states
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        past_key_values=None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor] | None]:
-        batch_size, seq_length = hidden_states.shape[:-1]
-        query_shape = (batch_size, seq_length, -1, self.qk_head_dim)
-        q_a_proj_out, kv_a_proj_with_mqa_out = self.q_a_proj_kv_a_proj_with_mqa_merged(
-            hidden_states
-        ).split(self.q_a_proj_kv_a_proj_with_mqa_merged.output_partition_sizes, dim=-1)
-        # we always do a lora for queries as well
-        q_states = self.q_b_proj(self.q_a_layernorm(q_a_proj_out))
-        q_states = q_states.view(query_shape).transpose(1, 2)
-        q_pass, q_rot = torch.split(
-            q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
-        )
-
-        compressed_kv = kv_a_proj_with_mqa_out
-        kv_pass, k_rot = torch.split(
-            compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
-        )
-        k_pass = self.kv_a_layernorm(kv_pass)
-
-        # apply LoRA scaling
-        q_pass = q_pass * self.mla_scale_q_lora
-        q_rot = q_rot * self.mla_scale_q_lora
-        k_pass = k_pass * self.mla_scale_kv_lora
-
-        # Both latents are viewed as single-head, 4D tensors so all cache layers handle them correctly
-        k_pass = k_pass.view(batch_size, 1, seq_length, self.kv_lora_rank)
-        k_rot = k_rot.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
-
-        cos, sin = position_embeddings
-        q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
-
-        query_states = torch.cat((q_pass, q_rot), dim=-1)
-
-        key_states, value_states = self.expand_kv(k_pass, k_rot)
-
-        attn_output = vllm_attention(self.attn, query_states, key_states, value_states)
-
-        attn_output = attn_output.reshape(batch_size, seq_length, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
-        return attn_output, None
+        self, positions: torch.Tensor, hidden_states: torch.Tensor
+    ) -> torch.Tensor:
+        # vLLM's layout: one row per token
+        shape = hidden_states.shape
+        out = self.mla_attn(positions, hidden_states.reshape(-1, shape[-1]))
+        return out.view(*shape[:-1], -1)
 
 
 class LongcatFlashDecoderLayer(nn.Module):
@@ -645,20 +492,13 @@ class LongcatFlashDecoderLayer(nn.Module):
         past_key_values=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        positions: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.input_layernorm[0](hidden_states)
 
-        hidden_states, _ = self.self_attn[0](
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=None,
-            use_cache=False,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
+        hidden_states = self.self_attn[0](positions, hidden_states)
         hidden_states = residual + hidden_states
 
         residual = hidden_states
@@ -672,15 +512,7 @@ class LongcatFlashDecoderLayer(nn.Module):
         residual = hidden_states
         hidden_states = self.input_layernorm[1](hidden_states)
 
-        hidden_states, _ = self.self_attn[1](
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=None,
-            use_cache=False,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
+        hidden_states = self.self_attn[1](positions, hidden_states)
         hidden_states = residual + hidden_states
 
         residual = hidden_states
@@ -725,7 +557,6 @@ class LongcatFlashModel(nn.Module):
             self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         else:
             self.norm = PPMissingLayer()
-        self.rotary_emb = LongcatFlashRotaryEmbedding(config=config)
         self.head_dim = (
             config.head_dim
         )  # For CI happiness (we didn't convert so head_dim is not directly used)
@@ -746,7 +577,6 @@ class LongcatFlashModel(nn.Module):
         # vLLM runs every request's tokens as one sequence: a batch of one
         input_ids = input_ids[None] if input_ids is not None else None
         inputs_embeds = inputs_embeds[None] if inputs_embeds is not None else None
-        position_ids = positions[None]
         if not get_pp_group().is_first_rank:
             assert intermediate_tensors is not None
             hidden_states = intermediate_tensors["hidden_states"][None]
@@ -754,14 +584,8 @@ class LongcatFlashModel(nn.Module):
             if inputs_embeds is None:
                 inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
             hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for decoder_layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=None,
-                position_ids=position_ids,
-                position_embeddings=position_embeddings,
-            )
+            hidden_states = decoder_layer(hidden_states, positions=positions)
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states[0]})
         hidden_states = self.norm(hidden_states)
@@ -772,7 +596,7 @@ class LongcatFlashForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant
     # merged module -> the checkpoint modules it holds, from the fusion records
     packed_modules_mapping = {
         "gate_up_proj": ["gate_proj", "up_proj"],
-        "q_a_proj_kv_a_proj_with_mqa_merged": ["q_a_proj", "kv_a_proj_with_mqa"],
+        "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"],
     }
     embedding_modules = {
         "embed_tokens": "input_embeddings",
@@ -786,22 +610,10 @@ class LongcatFlashForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant
             ".mlps.0.up_proj.": (".mlps.0.gate_up_proj.", 1),
             ".mlps.1.gate_proj.": (".mlps.1.gate_up_proj.", 0),
             ".mlps.1.up_proj.": (".mlps.1.gate_up_proj.", 1),
-            ".self_attn.0.q_a_proj.": (
-                ".self_attn.0.q_a_proj_kv_a_proj_with_mqa_merged.",
-                0,
-            ),
-            ".self_attn.0.kv_a_proj_with_mqa.": (
-                ".self_attn.0.q_a_proj_kv_a_proj_with_mqa_merged.",
-                1,
-            ),
-            ".self_attn.1.q_a_proj.": (
-                ".self_attn.1.q_a_proj_kv_a_proj_with_mqa_merged.",
-                0,
-            ),
-            ".self_attn.1.kv_a_proj_with_mqa.": (
-                ".self_attn.1.q_a_proj_kv_a_proj_with_mqa_merged.",
-                1,
-            ),
+            ".self_attn.0.q_a_proj.": (".self_attn.0.fused_qkv_a_proj.", 0),
+            ".self_attn.0.kv_a_proj_with_mqa.": (".self_attn.0.fused_qkv_a_proj.", 1),
+            ".self_attn.1.q_a_proj.": (".self_attn.1.fused_qkv_a_proj.", 0),
+            ".self_attn.1.kv_a_proj_with_mqa.": (".self_attn.1.fused_qkv_a_proj.", 1),
         }
     )
 
@@ -811,11 +623,6 @@ class LongcatFlashForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant
         quant_config = vllm_config.quant_config
         self.config = config
         self.quant_config = quant_config
-        if vllm_config.model_config.use_mla:
-            raise ValueError(
-                "LongcatFlashForCausalLM is generated with vLLM's standard attention (expanded keys "
-                "and values), not MLA: run vLLM with VLLM_MLA_DISABLE=1"
-            )
         self.model = LongcatFlashModel(
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model")
         )
@@ -864,7 +671,9 @@ class LongcatFlashForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loader = AutoWeightsLoader(self)
         stacked: set[str] = set()
-        weights = self._stacked_experts(self.hf_to_vllm_mapper.apply(weights), stacked)
+        weights = self._stacked_experts(
+            self._built_merges_mapper(self.hf_to_vllm_mapper).apply(weights), stacked
+        )
         return loader.load_weights(weights) | stacked
 
     # per-expert checkpoint tensors -> the stacked expert parameters the source holds
@@ -922,3 +731,12 @@ class LongcatFlashForCausalLM(nn.Module, SupportsLoRA, SupportsPP, SupportsQuant
                 continue
             return isinstance(module, PPMissingLayer)
         return False
+
+    def _built_merges_mapper(self, mapper: WeightsMapper) -> WeightsMapper:
+        built = {name.rsplit(".", 1)[-1] for name, _ in self.named_modules()}
+        stacked = {
+            old: (new, shard)
+            for old, (new, shard) in mapper.orig_to_new_stacked.items()
+            if new.strip(".").rsplit(".", 1)[-1] in built
+        }
+        return WeightsMapper(**{**vars(mapper), "orig_to_new_stacked": stacked})

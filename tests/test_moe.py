@@ -262,6 +262,48 @@ def test_latent_attention_without_its_latent_norm_is_refused(tmp_path):
     assert "MultiHeadLatentAttentionWrapper" not in text
 
 
+def test_latent_attention_scales_are_read_from_the_dataflow():
+    """LongCat multiplies its query (both parts) and its normed latent by constants;
+    DeepSeek-V3 does not: the match names the scalars by where the values flow from,
+    and the committed LongCat file folds them into the norms' weights at load (no
+    VLLM_MLA_DISABLE: vLLM's latent cache)."""
+    from codemods.source import load
+    from fusion_patterns.mla.match import match
+
+    norms = {"LongcatFlashRMSNorm", "DeepseekV3RMSNorm"}
+    longcat = load("modeling_longcat_flash.py")
+    spec = match(longcat.classes["LongcatFlashMLA"], norms, longcat.module)
+    assert (spec.q_scale, spec.kv_scale) == ("mla_scale_q_lora", "mla_scale_kv_lora")
+    deepseek = load("modeling_deepseek_v3.py")
+    spec = match(deepseek.classes["DeepseekV3Attention"], norms, deepseek.module)
+    assert (spec.q_scale, spec.kv_scale) == (None, None)
+    text = (REPO / "generated" / "longcat_flash.py").read_text()
+    assert "_load_scaled(self.q_a_layernorm, self.mla_scale_q_lora)" in text
+    assert "_load_scaled(self.kv_a_layernorm, self.mla_scale_kv_lora)" in text
+    assert "MultiHeadLatentAttentionWrapper(" in text
+    assert "VLLM_MLA_DISABLE" not in text
+
+
+def test_a_latent_attention_scaling_part_of_its_query_is_refused(tmp_path):
+    """Folding the query's scale into its norm scales all of it: a source scaling only
+    the query's non-rotated part computes something else, and the proof says so."""
+    path = edited_modeling_file(
+        tmp_path,
+        "modeling_longcat_flash.py",
+        "        q_rot = q_rot * self.mla_scale_q_lora\n",
+        "",
+    )
+    result = _apply(path, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (
+        "Refused: latent attention (LongcatFlashMLA): LongcatFlashMLA as latent "
+        "attention: the fused form differs" in result.stderr
+    ), result.stderr[-2000:]
+    text = (tmp_path / "out" / "longcat_flash.py").read_text()
+    assert "MultiHeadLatentAttentionWrapper" not in text
+    assert "VLLM_MLA_DISABLE=1" in text
+
+
 def _expert_keys(tmp_path, arch: str, layout: str) -> list[str]:
     from safetensors import safe_open
 

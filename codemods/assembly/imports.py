@@ -89,7 +89,10 @@ IMPORTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vllm.forward_context", ("get_forward_context",)),
     ("vllm.model_executor.layers.quantization", ("QuantizationConfig",)),
     ("vllm.model_executor.layers.rotary_embedding", ("get_rope",)),
-    ("vllm.model_executor.model_loader.weight_utils", ("sharded_weight_loader",)),
+    (
+        "vllm.model_executor.model_loader.weight_utils",
+        ("default_weight_loader", "sharded_weight_loader"),
+    ),
     ("vllm.model_executor.utils", ("set_weight_attrs",)),
     (
         "vllm.model_executor.layers.vocab_parallel_embedding",

@@ -27,7 +27,7 @@ from fusion_patterns import sharding
 
 from . import head_rows, merged_linears, packed_qkv, positions
 from .classes import CONV1D, LINEARS, Context, prefix_classes
-from .classes import rewrite_class
+from .classes import list_element_class, rewrite_class
 from .config_branches import linear_reads
 from .definitions import Definitions
 
@@ -632,9 +632,11 @@ def _need_positions(model: Model) -> set[str]:
             if n in out or n in need or n in (roles.causal.name, roles.base.name):
                 continue
             info = classes[n]
-            children = {info.constructed_class(a) for a in info.attrs} | {
-                v for (owner, _), v in roles.built.items() if owner == n
-            }
+            children = (
+                {info.constructed_class(a) for a in info.attrs}
+                | {list_element_class(info, a, classes) for a in info.attrs}
+                | {v for (owner, _), v in roles.built.items() if owner == n}
+            )
             if children & (need | out):
                 out.add(n)
                 changed = True

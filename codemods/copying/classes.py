@@ -494,6 +494,9 @@ def rewrite_class(
         c in ctx.call_sites
         for a in _called_attrs(node)
         for c in _called_classes(info, ctx, a)
+    ) or any(
+        list_element_class(info, a, ctx.classes) in ctx.call_sites
+        for a in _indexed(node)
     ):
         node = node.visit(_ClaimedCalls(info, ctx)).visit(_NoneUnpacked())
     if info.name in ctx.positions:
@@ -625,6 +628,16 @@ def _called_attrs(node: cst.ClassDef) -> set[str]:
     }
 
 
+def _indexed(node: cst.ClassDef) -> set[str]:
+    """Attributes called by index: `self.<attr>[i](...)`."""
+    return {
+        c.func.value.attr.value
+        for c in m.findall(
+            node, m.Call(func=m.Subscript(value=m.Attribute(value=m.Name("self"))))
+        )
+    }
+
+
 def _called_class(
     info: ClassInfo, ctx: Context, attr: str, branch: tuple[str, str] | None = None
 ) -> str | None:
@@ -642,6 +655,23 @@ def _called_classes(info: ClassInfo, ctx: Context, attr: str) -> set[str | None]
     if table is not None:
         return set(table.classes.values())
     return {_called_class(info, ctx, attr)}
+
+
+MODULE_LISTS = ("nn.ModuleList", "torch.nn.ModuleList")
+
+
+def list_element_class(
+    info: ClassInfo, attr: str, classes: dict[str, ClassInfo]
+) -> str | None:
+    """The one source class an `nn.ModuleList([...])` attribute is built of, or None
+    (not a module list, or one of several classes)."""
+    value = info.attrs.get(attr)
+    if not isinstance(value, cst.Call) or dotted_name(value.func) not in MODULE_LISTS:
+        return None
+    held = {
+        dotted_name(c.func) for a in value.args for c in m.findall(a, m.Call())
+    } & set(classes)
+    return next(iter(held)) if len(held) == 1 else None
 
 
 class _CallsByClass(cst.CSTTransformer):
@@ -666,12 +696,21 @@ class _CallsByClass(cst.CSTTransformer):
 
 class _ClaimedCalls(_CallsByClass):
     """`self.<attr>(...)` of a module a pattern claimed whole -> the call the pattern
-    says (vLLM's interface: `self.self_attn(positions, hidden_states)`)."""
+    says (vLLM's interface: `self.self_attn(positions, hidden_states)`); `self.<attr>[i]
+    (...)` too where the attribute is a module list of that class alone (LongCat's two
+    attentions per layer)."""
 
     def leave_Call(self, original, updated: cst.Call):
-        if not m.matches(updated.func, m.Attribute(value=m.Name("self"))):
+        if m.matches(
+            updated.func, m.Subscript(value=m.Attribute(value=m.Name("self")))
+        ):
+            cls = list_element_class(
+                self.info, updated.func.value.attr.value, self.ctx.classes
+            )
+        elif m.matches(updated.func, m.Attribute(value=m.Name("self"))):
+            cls = self.called_class(original)
+        else:
             return updated
-        cls = self.called_class(original)
         claim = self.ctx.call_sites.get(cls or "")
         if claim is None:
             return updated

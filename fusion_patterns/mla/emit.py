@@ -28,6 +28,16 @@ class _FlatRope(nn.Module):
         return q_out.view(q.shape), k_out.view(k.shape)
 '''
 
+# LongCat multiplies the query and the normed latent by constants: folded into the q and
+# kv norms' weights at load, as vLLM's own longcat_flash.py does (the MLA layer runs the
+# norms itself, so there is no output to multiply)
+SCALED_NORM = '''
+def _load_scaled(norm: nn.Module, scale: float) -> None:
+    """`norm`'s output is multiplied by the constant `scale`: its weight loads scaled."""
+    base = getattr(norm.weight, "weight_loader", default_weight_loader)
+    norm.weight.weight_loader = lambda param, loaded: base(param, loaded * scale)
+'''
+
 
 def _rope_types(info: ClassInfo, spec: MLASpec) -> list[str]:
     """The rope parameters vLLM's rope is built from: the source's, its rope type
@@ -83,6 +93,15 @@ def _condition(info: ClassInfo, attr: str) -> str:
     return "True"
 
 
+def _scaled(norm: str, scale: str | None) -> list[str]:
+    if scale is None:
+        return []
+    return [
+        f"# the source multiplies this norm's output by self.{scale}: its weight loads scaled",
+        f"_load_scaled(self.{norm}, self.{scale})",
+    ]
+
+
 def emit(info: ClassInfo, spec: MLASpec, norms: dict[str, NormSpec]) -> str:
     modules = {
         spec.q_a,
@@ -119,6 +138,7 @@ def emit(info: ClassInfo, spec: MLASpec, norms: dict[str, NormSpec]) -> str:
         f"self.{MERGED} = MergedColumnParallelLinear({code(q_a[0])}, [{q_lora}, {code(kv_a[1])}], "
         f'bias={code(q_a[2])}, disable_tp=True, quant_config=quant_config, prefix=f"{{prefix}}.{MERGED}")',
         f"self.{spec.q_norm} = {_norm(info, spec.q_norm, norms)}",
+        *_scaled(spec.q_norm, spec.q_scale),
         linear("ColumnParallelLinear", spec.q_b, linear_of(info, spec.q_b)),
         f"self.{spec.kv_a} = None",
     ]
@@ -133,11 +153,19 @@ def emit(info: ClassInfo, spec: MLASpec, norms: dict[str, NormSpec]) -> str:
         )
     elif cond != "True":
         raise PatternRefused(f"{info.name} has no q projection when not `{cond}`")
-    lines = [f"if {cond}:", *("    " + line for line in low_rank)]
-    if cond != "True":
+    if spec.q_scale and cond != "True":
+        raise PatternRefused(
+            f"{info.name} scales its query by self.{spec.q_scale}: without a q "
+            f"low-rank (when not `{cond}`) there is no q norm to fold it into"
+        )
+    if cond == "True":  # the config always builds the q low-rank
+        lines = list(low_rank)
+    else:
+        lines = [f"if {cond}:", *("    " + line for line in low_rank)]
         lines += ["else:", *("    " + line for line in full_rank)]
     lines += [
         f"self.{spec.kv_norm} = {_norm(info, spec.kv_norm, norms)}",
+        *_scaled(spec.kv_norm, spec.kv_scale),
         linear("ColumnParallelLinear", spec.kv_b, linear_of(info, spec.kv_b)),
         linear("RowParallelLinear", spec.o_proj, linear_of(info, spec.o_proj)),
         *_rope_types(info, spec),
@@ -152,7 +180,7 @@ def emit(info: ClassInfo, spec: MLASpec, norms: dict[str, NormSpec]) -> str:
         f"    {code(nope)},",
         f"    self.{spec.rope_dim},",
         f"    {code(v)},",
-        f"    {q_lora} if {cond} else None,",
+        f"    {q_lora}," if cond == "True" else f"    {q_lora} if {cond} else None,",
         f"    self.{spec.kv_lora_rank},",
         "    MLAModules(",
         f"        kv_a_layernorm=self.{spec.kv_norm},",
@@ -173,7 +201,8 @@ def emit(info: ClassInfo, spec: MLASpec, norms: dict[str, NormSpec]) -> str:
         "    prefix,",
         ")",
     ]
-    return f"""{FLAT_ROPE}
+    helpers = FLAT_ROPE + (SCALED_NORM if spec.q_scale or spec.kv_scale else "")
+    return f"""{helpers}
 
 class {info.name}(nn.Module):
     def __init__({signature(info)}) -> None:

@@ -54,6 +54,10 @@ class MLASpec:
     neox: cst.BaseExpression  # rope style: rotate halves (True) or pairs (False)
     # (source rope type, the vLLM rope type proven to compute it) beyond the default
     scaled_ropes: tuple[tuple[str, str], ...] = ()
+    # `self.<attr>` scalars the source multiplies the query and the normed latent by
+    # (LongCat's MLA LoRA scales): folded into the q and kv norms' weights at load
+    q_scale: str | None = None
+    kv_scale: str | None = None
 
 
 def _linear(info: ClassInfo, attr: str) -> cst.Call:
@@ -164,6 +168,16 @@ def _extract(info: ClassInfo, norms: set[str], module: cst.Module | None) -> MLA
     if not rotary_calls:
         raise PatternRefused("no rotary embedding call")
     neox = _rope_style(fwd, _functions(module))
+    modules = linears | norm_attrs
+    q_scale, kv_scale = (
+        _scale(fwd, m.Call(func=_SELF, args=[m.Arg(m.Call(func=_SELF))]), "q", modules),
+        _scale(
+            fwd,
+            m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(kv_norms[0]))),
+            "latent",
+            modules,
+        ),
+    )
     return MLASpec(
         class_name=info.name,
         q_a=q_a,
@@ -177,7 +191,46 @@ def _extract(info: ClassInfo, norms: set[str], module: cst.Module | None) -> MLA
         kv_lora_rank=kv_lora_rank,
         rope_dim=rope_dim,
         neox=neox,
+        q_scale=q_scale,
+        kv_scale=kv_scale,
     )
+
+
+def _scale(
+    fwd: cst.FunctionDef, origin: m.BaseMatcherNode, what: str, modules: set[str]
+) -> str | None:
+    """The `self.<attr>` scalar the values flowing from `origin` (the q chain, the
+    latent's norm) are multiplied by in place (`x = x * self.<attr>`), None if none
+    is. Which of those values are scaled is the proof's to check: it writes the scale
+    out on the norm's output, as the generated file loads it."""
+    derived: set[str] = set()
+    found: set[str] = set()
+    for assign in m.findall(fwd, m.Assign()):
+        reads = {n.value for n in m.findall(assign.value, m.Name())}
+        if not (m.findall(assign.value, origin) or reads & derived):
+            continue
+        targets = {
+            n.value for t in assign.targets for n in m.findall(t.target, m.Name())
+        }
+        value = assign.value
+        if (
+            m.matches(value, m.BinaryOperation(operator=m.Multiply()))
+            and len(targets) == 1
+        ):
+            sides = (value.left, value.right)
+            attrs = [
+                side.attr.value
+                for side in sides
+                if m.matches(side, _SELF) and side.attr.value not in modules
+            ]
+            if attrs and any(m.matches(side, m.Name(*targets)) for side in sides):
+                found.add(attrs[0])
+        derived |= targets
+    if len(found) > 1:
+        raise PatternRefused(
+            f"the {what} is scaled by {sorted(found)}: one scale expected"
+        )
+    return next(iter(found), None)
 
 
 def _is_linear(info: ClassInfo, attr: str) -> bool:

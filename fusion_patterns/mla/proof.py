@@ -67,10 +67,11 @@ def written_out(spec: MLASpec, module, x, config, rotate):
             q_a, q_norm, q_b = (
                 getattr(module, a) for a in (spec.q_a, spec.q_norm, spec.q_b)
             )
-            q = q_b(q_norm(q_a(x)))
+            q = q_b(q_norm(q_a(x)) * _scale(module, spec.q_scale))
         kv_b = getattr(module, spec.kv_b)
         c, k_rot = getattr(module, spec.kv_a)(x).split([kv_lora, rope], -1)
-        kv = kv_b(getattr(module, spec.kv_norm)(c))
+        c = getattr(module, spec.kv_norm)(c) * _scale(module, spec.kv_scale)
+        kv = kv_b(c)
         head_count = config.num_attention_heads
         q = q.view(S, head_count, -1)
         qk_head = q.shape[-1]
@@ -86,6 +87,11 @@ def written_out(spec: MLASpec, module, x, config, rotate):
         scores = scores + torch.full((S, S), float("-inf")).triu(1)
         out = torch.einsum("hst,thd->shd", scores.softmax(-1), v).reshape(S, -1)
         return getattr(module, spec.o_proj)(out)
+
+
+def _scale(module, attr: str | None) -> float:
+    """A norm's output scale as the generated file folds it into the norm's weight."""
+    return 1.0 if attr is None else float(getattr(module, attr))
 
 
 # scaled rope for latent attention: each source rope type -> the vLLM rope types that
