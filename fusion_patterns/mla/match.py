@@ -169,15 +169,10 @@ def _extract(info: ClassInfo, norms: set[str], module: cst.Module | None) -> MLA
         raise PatternRefused("no rotary embedding call")
     neox = _rope_style(fwd, _functions(module))
     modules = linears | norm_attrs
-    q_scale, kv_scale = (
-        _scale(fwd, m.Call(func=_SELF, args=[m.Arg(m.Call(func=_SELF))]), "q", modules),
-        _scale(
-            fwd,
-            m.Call(func=m.Attribute(value=m.Name("self"), attr=m.Name(kv_norms[0]))),
-            "latent",
-            modules,
-        ),
-    )
+    # the query flows from its last projection, the latent from its norm
+    q_outputs = [q_b, q_proj] if q_proj else [q_b]
+    q_scale = _scale(fwd, _calls(*q_outputs), "query", modules)
+    kv_scale = _scale(fwd, _calls(kv_norms[0]), "latent", modules)
     return MLASpec(
         class_name=info.name,
         q_a=q_a,
@@ -193,6 +188,13 @@ def _extract(info: ClassInfo, norms: set[str], module: cst.Module | None) -> MLA
         neox=neox,
         q_scale=q_scale,
         kv_scale=kv_scale,
+    )
+
+
+def _calls(*attrs: str) -> m.BaseMatcherNode:
+    """Matcher for a call of any of `self.<attr>`."""
+    return m.Call(
+        func=m.Attribute(value=m.Name("self"), attr=m.OneOf(*map(m.Name, attrs)))
     )
 
 
