@@ -59,7 +59,7 @@ class Model:
     branch_reads: dict = field(default_factory=dict)
     claims: list[Claim] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)
-    # class -> (its info, whether it looks like a norm): the patterns ask again and again
+    # class node -> whether it looks like a norm: the patterns ask again and again
     _norm_like: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -167,14 +167,13 @@ class Model:
     def norm_classes(self) -> dict:
         """Every class that computes a norm, proven or not -> its spec (None for a norm
         kept as the source has it)."""
-        like = set()
-        for name, info in self.classes.items():
-            seen = self._norm_like.get(name)
-            if seen is None or seen[0] is not info:
-                seen = self._norm_like[name] = (info, norm_match(info) is not None)
-            if seen[1]:
-                like.add(name)
+        like = {n for n, info in self.classes.items() if self._norm_like_class(info)}
         return {**{n: None for n in like | TORCH_NORMS}, **self.norm_specs()}
+
+    def _norm_like_class(self, info: ClassInfo) -> bool:
+        if info.node not in self._norm_like:
+            self._norm_like[info.node] = norm_match(info) is not None
+        return self._norm_like[info.node]
 
     def sublayer_candidates(self) -> list[str]:
         """Classes inside a decoder layer that are neither the layer nor its attention,

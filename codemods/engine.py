@@ -35,6 +35,7 @@ def body_bytes(model, without: tuple[str, ...] = ()) -> int:
     not build, a tower its text model never runs). Module-level, so vLLM can ship it to
     workers."""
     from torch import nn
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         VocabParallelEmbedding,
     )
@@ -52,8 +53,6 @@ def body_bytes(model, without: tuple[str, ...] = ()) -> int:
         if any((path + ".").startswith(prefix) for prefix in without)
         for p in mod.parameters()
     }
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-
     total = 0
     for mod in model.modules():
         for name, p in mod.named_parameters(recurse=False):

@@ -153,6 +153,20 @@ class ClassInfo:
             return dotted_name(value.func)
         return None
 
+    def list_element_class(self, attr: str, classes) -> str | None:
+        """The one class of `classes` an `nn.ModuleList([...])` attribute is built of
+        (`self.<attr>[i]`), or None (not a module list, or several classes)."""
+        value = self.attrs.get(attr)
+        if not isinstance(value, cst.Call) or dotted_name(value.func) not in (
+            "nn.ModuleList",
+            "torch.nn.ModuleList",
+        ):
+            return None
+        held = {
+            dotted_name(c.func) for a in value.args for c in m.findall(a, m.Call())
+        } & set(classes)
+        return next(iter(held)) if len(held) == 1 else None
+
     def constructions(self, attr: str) -> list[cst.Call]:
         """Every call `self.<attr>` may be built by, in source order (both sides of
         `A(...) if <test> else B(...)` too)."""

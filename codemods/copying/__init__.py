@@ -27,7 +27,7 @@ from fusion_patterns import sharding
 
 from . import head_rows, merged_linears, packed_qkv, positions
 from .classes import CONV1D, LINEARS, Context, prefix_classes
-from .classes import list_element_class, rewrite_class
+from .classes import rewrite_class
 from .config_branches import linear_reads
 from .definitions import Definitions
 
@@ -634,7 +634,7 @@ def _need_positions(model: Model) -> set[str]:
             info = classes[n]
             children = (
                 {info.constructed_class(a) for a in info.attrs}
-                | {list_element_class(info, a, classes) for a in info.attrs}
+                | {info.list_element_class(a, classes) for a in info.attrs}
                 | {v for (owner, _), v in roles.built.items() if owner == n}
             )
             if children & (need | out):

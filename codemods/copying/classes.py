@@ -495,7 +495,7 @@ def rewrite_class(
         for a in _called_attrs(node)
         for c in _called_classes(info, ctx, a)
     ) or any(
-        list_element_class(info, a, ctx.classes) in ctx.call_sites
+        info.list_element_class(a, ctx.classes) in ctx.call_sites
         for a in _indexed(node)
     ):
         node = node.visit(_ClaimedCalls(info, ctx)).visit(_NoneUnpacked())
@@ -628,13 +628,14 @@ def _called_attrs(node: cst.ClassDef) -> set[str]:
     }
 
 
+_SELF = m.Attribute(value=m.Name("self"))
+
+
 def _indexed(node: cst.ClassDef) -> set[str]:
     """Attributes called by index: `self.<attr>[i](...)`."""
     return {
         c.func.value.attr.value
-        for c in m.findall(
-            node, m.Call(func=m.Subscript(value=m.Attribute(value=m.Name("self"))))
-        )
+        for c in m.findall(node, m.Call(func=m.Subscript(value=_SELF)))
     }
 
 
@@ -657,23 +658,6 @@ def _called_classes(info: ClassInfo, ctx: Context, attr: str) -> set[str | None]
     return {_called_class(info, ctx, attr)}
 
 
-MODULE_LISTS = ("nn.ModuleList", "torch.nn.ModuleList")
-
-
-def list_element_class(
-    info: ClassInfo, attr: str, classes: dict[str, ClassInfo]
-) -> str | None:
-    """The one source class an `nn.ModuleList([...])` attribute is built of, or None
-    (not a module list, or one of several classes)."""
-    value = info.attrs.get(attr)
-    if not isinstance(value, cst.Call) or dotted_name(value.func) not in MODULE_LISTS:
-        return None
-    held = {
-        dotted_name(c.func) for a in value.args for c in m.findall(a, m.Call())
-    } & set(classes)
-    return next(iter(held)) if len(held) == 1 else None
-
-
 class _CallsByClass(cst.CSTTransformer):
     """A transform of `self.<attr>(...)` calls by the source class each reaches (for
     an attribute built from a class table, by the branch the call is in)."""
@@ -686,6 +670,10 @@ class _CallsByClass(cst.CSTTransformer):
         self.branches = branch_keys(node)
 
     def called_class(self, original: cst.Call) -> str | None:
+        if isinstance(original.func, cst.Subscript):  # `self.<attr>[i](...)`
+            return self.info.list_element_class(
+                original.func.value.attr.value, self.ctx.classes
+            )
         return _called_class(
             self.info,
             self.ctx,
@@ -701,17 +689,9 @@ class _ClaimedCalls(_CallsByClass):
     attentions per layer)."""
 
     def leave_Call(self, original, updated: cst.Call):
-        if m.matches(
-            updated.func, m.Subscript(value=m.Attribute(value=m.Name("self")))
-        ):
-            cls = list_element_class(
-                self.info, updated.func.value.attr.value, self.ctx.classes
-            )
-        elif m.matches(updated.func, m.Attribute(value=m.Name("self"))):
-            cls = self.called_class(original)
-        else:
+        if not m.matches(updated.func, _SELF | m.Subscript(value=_SELF)):
             return updated
-        claim = self.ctx.call_sites.get(cls or "")
+        claim = self.ctx.call_sites.get(self.called_class(original) or "")
         if claim is None:
             return updated
         replaced = claim.pattern.call_site(claim, updated)
